@@ -1,0 +1,248 @@
+"""Composition root for `pigeon-mta serve`: database, maintenance, processes, signals, drain.
+
+One node runs one supervisor. The supervisor finds (or starts) the database, migrates it, creates
+the trusted org and frees the leases this node held before it last stopped; then it runs the
+queue maintenance (lease sweeper, expiry, stats) and the worker processes. With one process the
+worker runs inside the supervisor; with several, each is a child process sharing the listening
+ports through SO_REUSEPORT. SIGTERM/SIGINT stop claiming, let in-flight work finish within
+`server.shutdown_timeout`, release what is left, and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import asyncpg
+
+from pigeon_mta.config import Settings
+from pigeon_mta.store import connect as store_connect
+from pigeon_mta.store import migrate as store_migrate
+from pigeon_mta.store import orgs as store_orgs
+from pigeon_mta.store import queue as store_queue
+
+log = logging.getLogger("pigeon_mta.serve")
+
+DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
+
+
+def process_count(settings: Settings, requested: int | None) -> int:
+    count = requested if requested is not None else settings.server.processes
+    return count if count > 0 else max(1, os.cpu_count() or 1)
+
+
+async def prepare_database(settings: Settings, url: str) -> None:
+    """Migrate, create the trusted org, free this node's old leases. Runs once per node start."""
+    conn = await store_connect.connect(url, settings)
+    try:
+        applied = await store_migrate.migrate(conn)
+        if applied:
+            log.info("schema migrated: %s", ", ".join(f"{m.version:04d}_{m.name}" for m in applied))
+        await store_orgs.ensure_org(conn, settings.relay.trusted_org)
+        freed = await store_queue.free_own_leases(conn, owner=settings.server.node_name)
+        if freed:
+            log.warning(
+                "freed %d recipient(s) that node %s held when it last stopped; they are due again",
+                freed,
+                settings.server.node_name,
+            )
+    finally:
+        await conn.close()
+
+
+# ---------------------------------------------------------------- maintenance
+
+
+@dataclass
+class Maintenance:
+    """Lease sweeper, expiry and queue stats: cheap periodic queries, one set per node."""
+
+    settings: Settings
+    pool: asyncpg.Pool
+    on_stats: Callable[[store_queue.QueueStats], None] = lambda _s: None
+    on_expired: Callable[[list[store_queue.ExpiredRecipient]], Awaitable[None]] | None = None
+    last_stats: store_queue.QueueStats | None = None
+    healthy: bool = True
+    _warned: bool = field(default=False, repr=False)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        delivery = self.settings.delivery
+        interval = min(delivery.sweep_interval, self.settings.metrics.stats_interval)
+        next_sweep = 0.0
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            now = loop.time()
+            try:
+                if now >= next_sweep:
+                    await self.sweep_once()
+                    next_sweep = now + delivery.sweep_interval
+                self.last_stats = await store_queue.queue_stats(self.pool)
+                self.on_stats(self.last_stats)
+                if not self.healthy:
+                    log.info("database reachable again")
+                self.healthy = True
+            except DB_ERRORS as exc:
+                if self.healthy:
+                    log.warning("queue maintenance cannot reach the database: %s", exc)
+                self.healthy = False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+
+    async def sweep_once(self) -> None:
+        requeued = await store_queue.requeue_expired_leases(self.pool)
+        if requeued:
+            log.warning(
+                "lease sweeper: %d recipient(s) whose lease ran out are queued again", requeued
+            )
+        expired = await store_queue.expire_old_recipients(
+            self.pool,
+            max_age=self.settings.delivery.max_age,
+            max_age_text=format_duration(self.settings.delivery.max_age),
+        )
+        if expired:
+            log.warning("expiry: %d recipient(s) passed delivery.max_age and expired", len(expired))
+            if self.on_expired is not None:
+                await self.on_expired(expired)
+
+
+def format_duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+# ---------------------------------------------------------------- worker
+
+
+async def run_worker(settings: Settings, url: str, index: int, stop: asyncio.Event) -> None:
+    """One serving process: its pool and the services that run in every process.
+
+    Later pieces (submission listeners, the outbound engine) start here and drain when `stop` is set.
+    """
+    pool = await store_connect.create_pool(url, settings)
+    try:
+        log.info("worker %d ready", index)
+        await stop.wait()
+    finally:
+        await pool.close()
+
+
+def _worker_process_main(settings: Settings, url: str, index: int) -> None:
+    _install_child_logging()
+    asyncio.run(_worker_process_async(settings, url, index))
+
+
+async def _worker_process_async(settings: Settings, url: str, index: int) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await run_worker(settings, url, index, stop)
+
+
+def _install_child_logging() -> None:
+    from pigeon_mta.logs import setup_logging
+
+    setup_logging(os.environ.get("PIGEON_LOG_LEVEL", "info"))
+
+
+# ---------------------------------------------------------------- supervisor
+
+
+async def serve(settings: Settings, *, processes: int | None = None) -> int:
+    location = await asyncio.to_thread(store_connect.locate_database, settings)
+    log.info("database: %s", location.description)
+    await prepare_database(settings, location.url)
+    count = process_count(settings, processes)
+    log.info(
+        "node %s serving with %d process(es); config: %s",
+        settings.server.node_name,
+        count,
+        settings.source,
+    )
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _on_signal, sig, stop)
+
+    pool = await store_connect.create_pool(location.url, settings, size=3)
+    maintenance = Maintenance(settings, pool)
+    tasks = [asyncio.create_task(maintenance.run(stop), name="maintenance")]
+    try:
+        if count == 1:
+            tasks.append(asyncio.create_task(run_worker(settings, location.url, 0, stop)))
+        else:
+            tasks.append(
+                asyncio.create_task(_supervise_children(settings, location.url, count, stop))
+            )
+        await stop.wait()
+        log.info("stopping: draining in-flight work (up to %gs)", settings.server.shutdown_timeout)
+        done, pending = await asyncio.wait(tasks, timeout=settings.server.shutdown_timeout + 10)
+        for task in pending:
+            task.cancel()
+        for task in done:
+            if task.exception() is not None:
+                log.error("%s ended with an error: %s", task.get_name(), task.exception())
+    finally:
+        await pool.close()
+    log.info("stopped")
+    return 0
+
+
+def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
+    log.info("received %s", sig.name)
+    stop.set()
+
+
+async def _supervise_children(
+    settings: Settings, url: str, count: int, stop: asyncio.Event
+) -> None:
+    """Run `count` worker processes; restart one that dies; on stop, SIGTERM all and wait."""
+    ctx = multiprocessing.get_context("spawn")
+    children: dict[int, multiprocessing.process.BaseProcess] = {}
+
+    def start(index: int) -> None:
+        proc = ctx.Process(
+            target=_worker_process_main,
+            args=(settings, url, index),
+            name=f"pigeon-worker-{index}",
+            daemon=False,
+        )
+        proc.start()
+        children[index] = proc
+        log.info("started worker %d (pid %s)", index, proc.pid)
+
+    for i in range(count):
+        start(i)
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0)
+        for index, proc in list(children.items()):
+            if not proc.is_alive() and not stop.is_set():
+                log.error(
+                    "worker %d (pid %s) exited with %s; restarting", index, proc.pid, proc.exitcode
+                )
+                start(index)
+    for proc in children.values():
+        if proc.is_alive() and proc.pid is not None:
+            os.kill(proc.pid, signal.SIGTERM)
+    deadline = loop_time() + settings.server.shutdown_timeout + 5
+    for proc in children.values():
+        while proc.is_alive() and loop_time() < deadline:
+            await asyncio.sleep(0.1)
+        if proc.is_alive() and proc.pid is not None:
+            log.error("worker pid %s did not stop in time; killing it", proc.pid)
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.join(1)
+
+
+def loop_time() -> float:
+    return asyncio.get_running_loop().time()

@@ -1,0 +1,1 @@
+"""The admin and service commands behind `pigeon-mta`: one module per area, each with `register`."""

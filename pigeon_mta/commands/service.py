@@ -1,0 +1,71 @@
+"""`serve`, `migrate`, `check-config`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from pigeon_mta import app
+from pigeon_mta.commands.common import add_common, open_database, print_object, settings_from
+from pigeon_mta.config import load_settings, settings_schema_keys
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run listeners, delivery engine and metrics until SIGTERM")
+    add_common(p)
+    p.add_argument(
+        "--processes", type=int, metavar="N", help="worker processes (default: one per core)"
+    )
+    p.set_defaults(handler=cmd_serve)
+
+    p = sub.add_parser("migrate", help="apply database schema migrations")
+    add_common(p)
+    p.set_defaults(handler=cmd_migrate)
+
+    p = sub.add_parser("check-config", help="validate a config file and say what is wrong")
+    add_common(p)
+    p.add_argument("file", nargs="?", metavar="FILE", help="the file to check (default: --config)")
+    p.set_defaults(handler=cmd_check_config)
+
+
+async def cmd_serve(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    return await app.serve(settings, processes=args.processes)
+
+
+async def cmd_migrate(args: argparse.Namespace) -> int:
+    from pigeon_mta.store import migrate as store_migrate
+
+    async with open_database(args) as (_settings, conn):
+        rows = await conn.fetch(
+            "SELECT version, name, applied_at FROM schema_migration ORDER BY version"
+        )
+        pending = await store_migrate.pending_migrations(conn)
+    print_object(
+        args,
+        {
+            "schema_version": rows[-1]["version"] if rows else 0,
+            "applied": len(rows),
+            "pending": len(pending),
+        },
+    )
+    return 0
+
+
+async def cmd_check_config(args: argparse.Namespace) -> int:
+    path = args.file or args.config or os.environ.get("PIGEON_CONFIG") or None
+    settings = load_settings(path)
+    print_object(
+        args,
+        {
+            "config": settings.source,
+            "status": "ok",
+            "listeners": ", ".join(
+                f"{lsn.name}={lsn.address}/{lsn.mode}" for lsn in settings.listener
+            ),
+            "database": "embedded" if not settings.database.url else "url",
+            "keys_known": len(settings_schema_keys()),
+        },
+    )
+    return 0

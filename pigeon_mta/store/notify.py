@@ -1,0 +1,110 @@
+"""The wake-up channel: LISTEN on a dedicated connection that is rebuilt when it drops.
+
+New mail NOTIFYs inside its enqueue transaction; an idle engine waits on `QueueWaker.wait`, which
+returns at the first of: a notification, the poll interval, or `close()`. Polling covers whatever
+a dropped connection missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import asyncpg
+
+from pigeon_mta.store.queue import NOTIFY_CHANNEL
+
+log = logging.getLogger(__name__)
+
+Connector = Callable[[], Awaitable[asyncpg.Connection]]
+
+
+class QueueWaker:
+    def __init__(self, connect: Connector, *, retry_delay: float = 1.0) -> None:
+        self._connect = connect
+        self._retry_delay = retry_delay
+        self._event = asyncio.Event()
+        self._closed = asyncio.Event()
+        self._conn: asyncpg.Connection | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.connected = asyncio.Event()
+        self.reconnects = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="queue-listen")
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait for new mail; True when a notification (or close) ended the wait."""
+        if not self._event.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._event.wait(), timeout)
+        woke = self._event.is_set()
+        self._event.clear()
+        return woke
+
+    def wake(self) -> None:
+        self._event.set()
+
+    async def close(self) -> None:
+        self._closed.set()
+        self._event.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._conn is not None and not self._conn.is_closed():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._conn.close(), 2)
+
+    @property
+    def connection(self) -> asyncpg.Connection | None:
+        return self._conn
+
+    def _on_notify(self, *_args: object) -> None:
+        self._event.set()
+
+    async def _run(self) -> None:
+        first = True
+        while not self._closed.is_set():
+            lost = asyncio.Event()
+            try:
+                conn = await self._connect()
+                conn.add_termination_listener(lambda _c, lost=lost: lost.set())
+                await conn.add_listener(NOTIFY_CHANNEL, self._on_notify)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+                log.warning("queue LISTEN connection failed: %s; retrying", exc)
+                await self._sleep(self._retry_delay)
+                continue
+            self._conn = conn
+            if not first:
+                self.reconnects += 1
+                log.info("queue LISTEN connection rebuilt")
+            first = False
+            self.connected.set()
+            # Anything committed while we were not listening is found by this wake-up.
+            self._event.set()
+            await self._watch(conn, lost)
+            self.connected.clear()
+            if not self._closed.is_set():
+                log.warning("queue LISTEN connection lost; rebuilding")
+
+    async def _watch(self, conn: asyncpg.Connection, lost: asyncio.Event) -> None:
+        # The termination listener fires on a clean close; a backend killed under us may only
+        # show on the next use, so probe now and then.
+        while not lost.is_set() and not self._closed.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(lost.wait(), 2.0)
+            if lost.is_set() or self._closed.is_set():
+                break
+            try:
+                await asyncio.wait_for(conn.execute("SELECT 1"), 2.0)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+                break
+        with contextlib.suppress(Exception):
+            conn.terminate()
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._closed.wait(), seconds)

@@ -1,0 +1,407 @@
+"""The queue: enqueue, claim, record, renew, release, sweep, expire, stats.
+
+The message row and its recipients' queue state are written in one statement (one commit), so an
+accepted message is never half-queued. Workers claim due recipients with FOR UPDATE SKIP LOCKED
+under a lease; the claim increments `attempts`, which then serves as a fencing token: an outcome is
+applied only while the row is still `delivering` with the attempt number of that claim, so a worker
+whose lease ran out cannot overwrite the work of the claim that replaced it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+import asyncpg
+
+from pigeon_mta.ids import new_id, new_ids
+from pigeon_mta.model import (
+    AttemptResult,
+    ClaimedRecipient,
+    Delivery,
+    Envelope,
+    Outcome,
+    Status,
+)
+
+Executor = asyncpg.Pool | asyncpg.Connection
+
+NOTIFY_CHANNEL = "pigeon_queue"
+
+
+def recipient_domain(address: str) -> str:
+    """The routing domain of an address: what follows the last '@', lower-cased."""
+    return address.rpartition("@")[2].lower()
+
+
+# ---------------------------------------------------------------- enqueue
+
+_ENQUEUE = f"""
+WITH m AS (
+    INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
+                         client_ip, client_helo, credential_id, auth_user)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8::inet, $9, $10, $11)
+    RETURNING id, org_id, received_at
+), r AS (
+    INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at)
+    SELECT u.id, m.id, m.org_id, u.address, u.domain, m.received_at, m.received_at
+    FROM m, unnest($12::uuid[], $13::text[], $14::text[]) AS u (id, address, domain)
+)
+SELECT pg_notify('{NOTIFY_CHANNEL}', '') FROM m
+"""
+
+
+async def enqueue(db: Executor, envelope: Envelope) -> uuid.UUID:
+    """Queue a message and all its recipients in one statement; returns the queue id.
+
+    The NOTIFY is part of the same transaction, so PostgreSQL delivers it only on commit: a worker
+    woken by it always finds the rows.
+    """
+    if not envelope.recipients:
+        raise ValueError("a message needs at least one recipient")
+    queue_id = new_id()
+    await db.execute(
+        _ENQUEUE,
+        queue_id,
+        envelope.org_id,
+        envelope.sender,
+        envelope.message_id,
+        len(envelope.body),
+        envelope.body,
+        envelope.listener,
+        envelope.client_ip,
+        envelope.client_helo,
+        envelope.credential_id,
+        envelope.auth_user,
+        new_ids(len(envelope.recipients)),
+        list(envelope.recipients),
+        [recipient_domain(r) for r in envelope.recipients],
+    )
+    return queue_id
+
+
+# ---------------------------------------------------------------- claim
+
+# Cross-tenant by design: the claim serves every org's queue. ARRAY(...) makes the locking subquery
+# run once; the partial index recipient_due serves its WHERE and ORDER BY.
+_CLAIM = """
+WITH c AS (
+    UPDATE recipient r
+    SET status = 'delivering',
+        lease_until = now() + make_interval(secs => $1),
+        lease_owner = $2,
+        attempts = r.attempts + 1,
+        updated_at = now()
+    WHERE r.id = ANY (ARRAY (
+        SELECT id FROM recipient
+        WHERE status = 'queued' AND next_attempt_at <= now()
+        ORDER BY next_attempt_at
+        LIMIT $3
+        FOR UPDATE SKIP LOCKED))
+    RETURNING r.id, r.message_id, r.domain, r.address, r.attempts
+)
+SELECT m.id, m.org_id, m.sender, m.header_message_id, m.received_at, m.body, c.domain,
+       array_agg(c.id ORDER BY c.address) AS ids,
+       array_agg(c.address ORDER BY c.address) AS addresses,
+       array_agg(c.attempts ORDER BY c.address) AS attempts
+FROM c JOIN message m ON m.id = c.message_id
+GROUP BY m.id, c.domain
+ORDER BY m.received_at
+"""
+
+
+async def claim_due_recipients(
+    db: Executor, *, owner: str, lease: float, batch: int
+) -> list[Delivery]:
+    """Claim up to `batch` due recipients, grouped into one Delivery per (message, domain)."""
+    rows = await db.fetch(_CLAIM, float(lease), owner, batch)
+    return [
+        Delivery(
+            message_id=row["id"],
+            org_id=row["org_id"],
+            sender=row["sender"],
+            domain=row["domain"],
+            header_message_id=row["header_message_id"],
+            received_at=row["received_at"],
+            body=row["body"],
+            recipients=tuple(
+                ClaimedRecipient(id=i, address=a, attempts=n)
+                for i, a, n in zip(row["ids"], row["addresses"], row["attempts"], strict=True)
+            ),
+        )
+        for row in rows
+    ]
+
+
+# ---------------------------------------------------------------- record
+
+# One statement: the recipient rows move (only where the claim still holds, see module doc) and the
+# attempt rows are appended, each saying whether its outcome was applied.
+_RECORD = """
+WITH v AS (
+    SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::int[], $6::text[],
+                         $7::timestamptz[], $8::float8[], $9::timestamptz[], $10::text[],
+                         $11::text[], $12::int[], $13::text[], $14::text[], $15::int[],
+                         $16::text[], $17::text[], $18::text[], $19::text[])
+        AS v (attempt_id, recipient_id, message_id, org_id, attempt, outcome,
+              started_at, duration, next_attempt_at, mx_host,
+              ip, port, tls_version, tls_cipher, code,
+              enhanced_code, response, category, rule)
+), u AS (
+    UPDATE recipient r
+    SET status = CASE v.outcome WHEN 'deferred' THEN 'queued' ELSE v.outcome END,
+        next_attempt_at = COALESCE(v.next_attempt_at, r.next_attempt_at),
+        lease_until = NULL,
+        lease_owner = NULL,
+        last_code = v.code,
+        last_enhanced_code = v.enhanced_code,
+        last_response = v.response,
+        updated_at = now()
+    FROM v
+    WHERE r.id = v.recipient_id AND r.status = 'delivering' AND r.attempts = v.attempt
+    RETURNING r.id
+)
+INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, duration_ms,
+                     mx_host, ip, port, tls_version, tls_cipher, code, enhanced_code, response,
+                     outcome, category, rule, next_attempt_at, applied)
+SELECT v.attempt_id, v.recipient_id, v.message_id, v.org_id, v.attempt, v.started_at,
+       v.duration * 1000, v.mx_host, v.ip, v.port, v.tls_version, v.tls_cipher, v.code,
+       v.enhanced_code, v.response, v.outcome, v.category, v.rule, v.next_attempt_at,
+       EXISTS (SELECT 1 FROM u WHERE u.id = v.recipient_id)
+FROM v
+RETURNING recipient_id, applied
+"""
+
+
+async def record_attempts(db: Executor, results: Sequence[AttemptResult]) -> set[uuid.UUID]:
+    """Record a batch of outcomes in one statement; returns the recipient ids whose state moved.
+
+    A result whose claim no longer holds is still written to the attempt log (applied = false), so
+    a delivery made after a lease ran out shows up as a possible duplicate instead of vanishing.
+    """
+    if not results:
+        return set()
+    for result in results:
+        if result.outcome == Outcome.DEFERRED and result.next_attempt_at is None:
+            raise ValueError("a deferred outcome needs next_attempt_at")
+    rows = await db.fetch(
+        _RECORD,
+        new_ids(len(results)),
+        [r.recipient_id for r in results],
+        [r.message_id for r in results],
+        [r.org_id for r in results],
+        [r.attempt for r in results],
+        [str(r.outcome) for r in results],
+        [r.started_at for r in results],
+        [r.duration for r in results],
+        [r.next_attempt_at for r in results],
+        [r.mx_host for r in results],
+        [r.ip for r in results],
+        [r.port for r in results],
+        [r.tls_version for r in results],
+        [r.tls_cipher for r in results],
+        [r.reply.code or None for r in results],
+        [r.reply.enhanced_code for r in results],
+        [r.reply.text for r in results],
+        [r.category for r in results],
+        [r.rule for r in results],
+    )
+    return {row["recipient_id"] for row in rows if row["applied"]}
+
+
+# ---------------------------------------------------------------- leases
+
+_RENEW = """
+UPDATE recipient SET lease_until = now() + make_interval(secs => $3), updated_at = now()
+WHERE id = ANY ($1::uuid[]) AND status = 'delivering' AND lease_owner = $2
+"""
+
+
+async def renew_leases(db: Executor, ids: Sequence[uuid.UUID], *, owner: str, lease: float) -> int:
+    """Extend the lease of rows still held by `owner` (a long transaction keeps its claim)."""
+    result = await db.execute(_RENEW, list(ids), owner, float(lease))
+    return _count(result)
+
+
+# Undo a claim that was never attempted (graceful shutdown): the attempt did not happen, so the
+# counter goes back down and the row is due again at once.
+_RELEASE = """
+UPDATE recipient
+SET status = 'queued', attempts = attempts - 1, lease_until = NULL, lease_owner = NULL,
+    updated_at = now()
+WHERE id = ANY ($1::uuid[]) AND status = 'delivering' AND lease_owner = $2
+"""
+
+
+async def release_leases(db: Executor, ids: Sequence[uuid.UUID], *, owner: str) -> int:
+    return _count(await db.execute(_RELEASE, list(ids), owner))
+
+
+# A lease that ran out (or that a restarted node held) stands for an attempt whose outcome nobody
+# recorded. The row goes back to queued, due at once, and the lost attempt is written to the log:
+# the message may or may not have reached the peer.
+_REQUEUE_LOST = """
+WITH lost AS (
+    SELECT id, lease_owner FROM recipient
+    WHERE status = 'delivering' AND {condition}
+    ORDER BY lease_until
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+), q AS (
+    UPDATE recipient r
+    SET status = 'queued', lease_until = NULL, lease_owner = NULL, updated_at = now(),
+        last_code = NULL, last_enhanced_code = NULL,
+        last_response = 'lease of ' || lost.lease_owner || ' ended before its attempt was recorded'
+    FROM lost WHERE r.id = lost.id
+    RETURNING r.id, r.message_id, r.org_id, r.attempts, r.last_response
+)
+INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, outcome, response)
+SELECT {id_function}, q.id, q.message_id, q.org_id, q.attempts, now(), 'deferred',
+       q.last_response || '; outcome unknown, delivery will be tried again'
+FROM q
+RETURNING recipient_id
+"""
+
+# Attempt ids made in SQL for these rare rows: a v4 id is fine (time order is only an index nicety).
+_SQL_ID = "gen_random_uuid()"
+
+_SWEEP = _REQUEUE_LOST.format(condition="lease_until < now()", id_function=_SQL_ID)
+_FREE_OWN = _REQUEUE_LOST.format(condition="lease_owner = $2", id_function=_SQL_ID)
+
+
+async def requeue_expired_leases(db: Executor, *, limit: int = 1000) -> int:
+    """Put `delivering` rows whose lease ran out back to queued; returns how many."""
+    return len(await db.fetch(_SWEEP, limit))
+
+
+async def free_own_leases(db: Executor, *, owner: str, limit: int = 100_000) -> int:
+    """At node start: rows this node held before it stopped go back to queued at once."""
+    return len(await db.fetch(_FREE_OWN, limit, owner))
+
+
+# ---------------------------------------------------------------- expiry
+
+# Reads only due rows (through recipient_due): mail that is not due waits for its next attempt,
+# where the engine's own max_age check expires it.
+_EXPIRE = """
+WITH old AS (
+    SELECT id FROM recipient
+    WHERE status = 'queued' AND next_attempt_at <= now()
+      AND created_at < now() - make_interval(secs => $1)
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+), e AS (
+    UPDATE recipient r
+    SET status = 'expired', updated_at = now(), lease_until = NULL, lease_owner = NULL
+    FROM old WHERE r.id = old.id
+    RETURNING r.id, r.message_id, r.org_id, r.attempts, r.last_code, r.last_enhanced_code,
+              r.last_response
+)
+INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, outcome,
+                     code, enhanced_code, response, category)
+SELECT gen_random_uuid(), e.id, e.message_id, e.org_id, e.attempts, now(), 'expired',
+       e.last_code, e.last_enhanced_code,
+       'expired after ' || $3 || ' in the queue; last reply: ' || COALESCE(e.last_response, 'none'),
+       'expired'
+FROM e
+RETURNING recipient_id, message_id
+"""
+
+
+@dataclass(frozen=True)
+class ExpiredRecipient:
+    recipient_id: uuid.UUID
+    message_id: uuid.UUID
+
+
+async def expire_old_recipients(
+    db: Executor, *, max_age: float, max_age_text: str, limit: int = 1000
+) -> list[ExpiredRecipient]:
+    """Due recipients older than max_age become `expired` (with an attempt-log entry)."""
+    rows = await db.fetch(_EXPIRE, float(max_age), limit, max_age_text)
+    return [ExpiredRecipient(r["recipient_id"], r["message_id"]) for r in rows]
+
+
+# ---------------------------------------------------------------- stats
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    queued: int  # waiting, due or not
+    due: int  # queued and due now
+    deferred: int  # queued after at least one attempt
+    delivering: int  # claimed, under a lease
+    oldest_due_age: float  # seconds the longest-waiting due recipient has waited (0 if none)
+
+
+# Only the live part of the table is read (partial indexes), so the cost follows the queue depth,
+# not the history.
+_STATS = """
+SELECT
+    (SELECT count(*) FROM recipient WHERE status = 'queued') AS queued,
+    (SELECT count(*) FROM recipient WHERE status = 'queued' AND next_attempt_at <= now()) AS due,
+    (SELECT count(*) FROM recipient WHERE status = 'queued' AND attempts > 0) AS deferred,
+    (SELECT count(*) FROM recipient WHERE status = 'delivering') AS delivering,
+    (SELECT COALESCE(extract(epoch FROM now() - min(next_attempt_at)), 0)
+       FROM recipient WHERE status = 'queued' AND next_attempt_at <= now()) AS oldest_due_age
+"""
+
+
+async def queue_stats(db: Executor) -> QueueStats:
+    row = await db.fetchrow(_STATS)
+    assert row is not None
+    return QueueStats(
+        queued=row["queued"],
+        due=row["due"],
+        deferred=row["deferred"],
+        delivering=row["delivering"],
+        oldest_due_age=float(row["oldest_due_age"]),
+    )
+
+
+# ---------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class RecipientState:
+    id: uuid.UUID
+    message_id: uuid.UUID
+    address: str
+    status: Status
+    attempts: int
+    next_attempt_at: datetime
+    lease_owner: str | None
+    last_code: int | None
+    last_enhanced_code: str | None
+    last_response: str | None
+
+
+async def recipients_of_message(db: Executor, message_id: uuid.UUID) -> list[RecipientState]:
+    rows = await db.fetch(
+        """SELECT id, message_id, address, status, attempts, next_attempt_at, lease_owner,
+                  last_code, last_enhanced_code, last_response
+           FROM recipient WHERE message_id = $1 ORDER BY address""",
+        message_id,
+    )
+    return [
+        RecipientState(
+            id=r["id"],
+            message_id=r["message_id"],
+            address=r["address"],
+            status=Status(r["status"]),
+            attempts=r["attempts"],
+            next_attempt_at=r["next_attempt_at"],
+            lease_owner=r["lease_owner"],
+            last_code=r["last_code"],
+            last_enhanced_code=r["last_enhanced_code"],
+            last_response=r["last_response"],
+        )
+        for r in rows
+    ]
+
+
+def _count(command_tag: str) -> int:
+    """The row count of an "UPDATE n" / "DELETE n" command tag."""
+    return int(command_tag.rsplit(" ", 1)[-1])

@@ -1,0 +1,81 @@
+"""Run the real `pigeon-mta serve` as a child process, watch its log, stop it by its PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from tests.conftest import REPO, pigeon_command
+
+
+class ServeProcess:
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, drop_env: tuple[str, ...] = ()
+    ) -> None:
+        full_env = {**os.environ, **(env or {})}
+        for name in drop_env:
+            full_env.pop(name, None)
+        full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+        full_env.setdefault("PIGEON_LOG_LEVEL", "info")
+        self.proc = subprocess.Popen(
+            pigeon_command("serve", *args),
+            cwd=REPO,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._lock:
+                self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        with self._lock:
+            return "\n".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                for line in self.lines:
+                    if text in line:
+                        return line
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{text!r} did not appear; serve output:\n{self.output}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+            raise AssertionError(f"serve did not stop within {timeout}s:\n{self.output}") from None
+        self._reader.join(5)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def write_config(directory: Path, text: str) -> Path:
+    path = directory / "pigeon.toml"
+    path.write_text(text)
+    return path

@@ -1,0 +1,46 @@
+"""The real command: config mistakes give one sentence on stderr and exit status 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_pigeon
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('[server]\nhostnme = "x"\n', "unknown key 'server.hostnme'"),
+        ('[delivery]\nmax_age = "forever"\n', "bad value for 'delivery.max_age'"),
+        (
+            '[[listener]]\nname = "x"\naddress = "127.0.0.1"\n',
+            "bad value for 'listener[0].address'",
+        ),
+    ],
+)
+def test_check_config_rejects_with_exit_2(tmp_path: Path, text: str, expected: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    result = run_pigeon("check-config", str(path))
+    assert result.returncode == 2
+    assert expected in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.stderr
+
+
+def test_config_errors_stop_other_commands_too(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('[delivery]\nlease = "1 fortnight"\n')
+    result = run_pigeon("org", "list", "--config", str(path))
+    assert result.returncode == 2
+    assert "'delivery.lease'" in result.stderr
+
+
+def test_check_config_accepts_a_good_file(tmp_path: Path) -> None:
+    path = tmp_path / "good.toml"
+    path.write_text('[server]\nhostname = "mta.example.com"\n')
+    result = run_pigeon("check-config", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "ok" in result.stdout

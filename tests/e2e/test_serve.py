@@ -1,0 +1,38 @@
+"""`pigeon-mta serve` as a newcomer and an operator run it."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.serve_process import ServeProcess, write_config
+
+
+@pytest.mark.slow
+def test_serve_with_no_config_and_no_database_url_uses_the_embedded_database() -> None:
+    serve = ServeProcess("--processes", "1", drop_env=("PIGEON_CONFIG", "PIGEON_DATABASE_URL"))
+    try:
+        line = serve.wait_for("database: embedded PostgreSQL in", timeout=120)
+        assert "postgres" in line
+        serve.wait_for("worker 0 ready", timeout=60)
+    finally:
+        code = serve.stop(signal.SIGTERM)
+    assert code == 0, serve.output
+    assert "stopped" in serve.output
+    assert "Traceback" not in serve.output
+
+
+def test_serve_on_a_configured_database_stops_on_sigint(tmp_path: Path, db_url: str) -> None:
+    config = write_config(
+        tmp_path,
+        f'[server]\nnode_name = "test-node"\ndata_dir = "{tmp_path}"\n[database]\nurl = "{db_url}"\n',
+    )
+    serve = ServeProcess("--config", str(config), "--processes", "1")
+    try:
+        serve.wait_for("worker 0 ready")
+    finally:
+        code = serve.stop(signal.SIGINT)
+    assert code == 0, serve.output
+    assert "node test-node serving" in serve.output

@@ -1,0 +1,73 @@
+"""Helpers that put many rows into a real queue quickly (test data, made in SQL)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+
+from pigeon_mta.model import AttemptResult, Delivery, Outcome, Reply
+
+
+async def bulk_queue(
+    db: asyncpg.Pool | asyncpg.Connection,
+    org_id: uuid.UUID,
+    *,
+    messages: int,
+    recipients_per_message: int = 1,
+    status: str = "queued",
+    due_in: float = 0.0,
+    age: float = 0.0,
+    domain: str = "example.net",
+) -> None:
+    """`messages` messages with `recipients_per_message` recipients each, all in one statement."""
+    await db.execute(
+        """
+        WITH m AS (
+            INSERT INTO message (id, org_id, sender, size, body, listener, received_at)
+            SELECT gen_random_uuid(), $1, 'sender@example.com', 20, 'Subject: t\r\n\r\nbody\r\n',
+                   'test', now() - make_interval(secs => $5)
+            FROM generate_series(1, $2)
+            RETURNING id, received_at
+        )
+        INSERT INTO recipient (id, message_id, org_id, address, domain, status, created_at,
+                               next_attempt_at)
+        SELECT gen_random_uuid(), m.id, $1, 'rcpt' || n || '.' || left(m.id::text, 8) || '@' || $6,
+               $6, $3, m.received_at, now() + make_interval(secs => $4)
+        FROM m, generate_series(1, $7) AS n
+        """,
+        org_id,
+        messages,
+        status,
+        due_in,
+        age,
+        domain,
+        recipients_per_message,
+    )
+
+
+def results_for(
+    deliveries: list[Delivery], outcome: Outcome, *, retry_in: float = 60, code: int = 250
+) -> list[AttemptResult]:
+    now = datetime.now(UTC)
+    return [
+        AttemptResult(
+            recipient_id=r.id,
+            message_id=d.message_id,
+            org_id=d.org_id,
+            attempt=r.attempts,
+            outcome=outcome,
+            reply=Reply(code, f"{code // 100}.0.0", "test reply"),
+            started_at=now,
+            duration=0.01,
+            next_attempt_at=now + timedelta(seconds=retry_in)
+            if outcome == Outcome.DEFERRED
+            else None,
+            mx_host="mx.example.net",
+            ip="127.0.0.1",
+            port=25,
+        )
+        for d in deliveries
+        for r in d.recipients
+    ]

@@ -1,0 +1,326 @@
+"""The queue against a real PostgreSQL: atomic enqueue, disjoint claims, leases, records, expiry."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+import pytest
+
+from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
+from pigeon_mta.store import queue
+from tests.integration.queue_helpers import bulk_queue, results_for
+
+OWNER = "node-a"
+
+
+def envelope(
+    org_id: uuid.UUID, *recipients: str, body: bytes = b"Subject: hi\r\n\r\nhello\r\n"
+) -> Envelope:
+    return Envelope(
+        org_id=org_id,
+        sender="alice@example.com",
+        recipients=recipients or ("bob@example.net",),
+        body=body,
+        listener="relay",
+        message_id="abc@example.com",
+        client_ip="127.0.0.1",
+    )
+
+
+async def count(pool: asyncpg.Pool, table: str) -> int:
+    return int(await pool.fetchval(f"SELECT count(*) FROM {table}"))
+
+
+async def test_enqueue_writes_message_and_every_recipient(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    qid = await queue.enqueue(
+        pool, envelope(org_id, "a@one.example", "b@Two.Example", "c@one.example")
+    )
+    assert qid.version == 7
+    msg = await pool.fetchrow("SELECT * FROM message WHERE id = $1", qid)
+    assert msg["sender"] == "alice@example.com" and msg["size"] == len(msg["body"])
+    rows = await queue.recipients_of_message(pool, qid)
+    assert [r.address for r in rows] == ["a@one.example", "b@Two.Example", "c@one.example"]
+    assert all(r.status == "queued" and r.attempts == 0 for r in rows)
+    domains = await pool.fetch(
+        "SELECT domain FROM recipient WHERE message_id = $1 ORDER BY address", qid
+    )
+    assert [d["domain"] for d in domains] == ["one.example", "two.example", "one.example"]
+
+
+async def test_enqueue_is_atomic_when_a_recipient_insert_fails(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    # A trigger makes the recipient insert fail after the message row was written in the same
+    # statement: neither may remain.
+    await pool.execute(
+        """CREATE FUNCTION refuse_boom() RETURNS trigger LANGUAGE plpgsql AS $$
+           BEGIN IF NEW.address = 'boom@example.net' THEN RAISE EXCEPTION 'refused'; END IF;
+                 RETURN NEW; END $$;
+           CREATE TRIGGER refuse_boom BEFORE INSERT ON recipient
+           FOR EACH ROW EXECUTE FUNCTION refuse_boom();"""
+    )
+    with pytest.raises(asyncpg.RaiseError):
+        await queue.enqueue(pool, envelope(org_id, "ok@example.net", "boom@example.net"))
+    assert await count(pool, "message") == 0
+    assert await count(pool, "recipient") == 0
+
+
+async def test_enqueue_notifies_only_on_commit(
+    pool: asyncpg.Pool, db_url: str, org_id: uuid.UUID
+) -> None:
+    listener = await asyncpg.connect(db_url)
+    got: asyncio.Queue[str] = asyncio.Queue()
+    await listener.add_listener(queue.NOTIFY_CHANNEL, lambda *a: got.put_nowait(a[2]))
+    try:
+        async with pool.acquire() as conn:
+            tx = conn.transaction()
+            await tx.start()
+            await queue.enqueue(conn, envelope(org_id))
+            await asyncio.sleep(0.3)
+            assert got.empty(), "NOTIFY must not be seen before commit"
+            await tx.rollback()
+        await asyncio.sleep(0.3)
+        assert got.empty(), "a rolled-back enqueue must not notify"
+        await queue.enqueue(pool, envelope(org_id))
+        await asyncio.wait_for(got.get(), 5)
+    finally:
+        await listener.close()
+
+
+async def test_claim_groups_by_message_and_domain(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
+    qid = await queue.enqueue(
+        pool, envelope(org_id, "a@one.example", "b@two.example", "c@ONE.example")
+    )
+    deliveries = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=100)
+    by_domain = {d.domain: d for d in deliveries}
+    assert set(by_domain) == {"one.example", "two.example"}
+    assert [r.address for r in by_domain["one.example"].recipients] == [
+        "a@one.example",
+        "c@ONE.example",
+    ]
+    assert all(d.message_id == qid and d.body.startswith(b"Subject: hi") for d in deliveries)
+    assert all(r.attempts == 1 for d in deliveries for r in d.recipients)
+    rows = await pool.fetch(
+        "SELECT status, lease_owner, lease_until > now() AS leased FROM recipient"
+    )
+    assert all(
+        r["status"] == "delivering" and r["lease_owner"] == OWNER and r["leased"] for r in rows
+    )
+    # Nothing is due any more.
+    assert await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=100) == []
+
+
+async def test_claim_skips_rows_not_yet_due(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
+    await bulk_queue(pool, org_id, messages=5, due_in=3600)
+    await bulk_queue(pool, org_id, messages=3)
+    deliveries = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=100)
+    assert len(deliveries) == 3
+
+
+@pytest.mark.slow
+async def test_eight_concurrent_claimers_take_every_row_exactly_once(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    await bulk_queue(pool, org_id, messages=10_000, recipients_per_message=2)
+    assert await count(pool, "recipient") == 20_000
+
+    async def claimer(name: str) -> list[uuid.UUID]:
+        taken: list[uuid.UUID] = []
+        async with pool.acquire() as conn:
+            while True:
+                batch = await queue.claim_due_recipients(conn, owner=name, lease=300, batch=100)
+                if not batch:
+                    return taken
+                taken.extend(r.id for d in batch for r in d.recipients)
+                await queue.record_attempts(conn, results_for(batch, Outcome.DELIVERED))
+
+    results = await asyncio.gather(*(claimer(f"claimer-{i}") for i in range(8)))
+    everything = [rid for taken in results for rid in taken]
+    assert len(everything) == 20_000
+    assert len(set(everything)) == 20_000
+    assert sum(1 for taken in results if taken) > 1, "the work should be shared"
+    assert (
+        await pool.fetchval("SELECT count(*) FROM recipient WHERE status = 'delivered'") == 20_000
+    )
+    assert await pool.fetchval("SELECT count(*) FROM attempt WHERE applied") == 20_000
+
+
+async def test_dead_claimer_holds_rows_only_until_its_lease_runs_out(
+    pool: asyncpg.Pool, db_url: str, org_id: uuid.UUID
+) -> None:
+    await bulk_queue(pool, org_id, messages=10)
+    doomed = await asyncpg.connect(db_url)
+    claimed = await queue.claim_due_recipients(doomed, owner="doomed-node", lease=1, batch=100)
+    assert len(claimed) == 10
+    await doomed.close()  # dies without recording anything
+
+    # While the lease holds, nobody else gets the rows and the sweeper leaves them alone.
+    assert await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=100) == []
+    assert await queue.requeue_expired_leases(pool) == 0
+    await asyncio.sleep(1.3)
+    assert await queue.requeue_expired_leases(pool) == 10
+
+    again = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=100)
+    assert len(again) == 10
+    assert all(r.attempts == 2 for d in again for r in d.recipients), "the lost attempt is counted"
+    lost = await pool.fetch("SELECT outcome, response FROM attempt")
+    assert len(lost) == 10
+    assert all(r["outcome"] == "deferred" and "doomed-node" in r["response"] for r in lost)
+
+
+async def test_node_restart_frees_its_own_leases_at_once(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    await bulk_queue(pool, org_id, messages=4)
+    await queue.claim_due_recipients(pool, owner="node-b", lease=3600, batch=2)
+    await queue.claim_due_recipients(pool, owner=OWNER, lease=3600, batch=2)
+    assert await queue.free_own_leases(pool, owner=OWNER) == 2
+    statuses = await pool.fetch("SELECT status, lease_owner FROM recipient ORDER BY status")
+    assert sorted((r["status"], r["lease_owner"]) for r in statuses) == [
+        ("delivering", "node-b"),
+        ("delivering", "node-b"),
+        ("queued", None),
+        ("queued", None),
+    ]
+
+
+async def test_record_outcomes_in_one_batch(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
+    await bulk_queue(pool, org_id, messages=3)
+    deliveries = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=100)
+    delivered, deferred, bounced = deliveries
+    results = (
+        results_for([delivered], Outcome.DELIVERED)
+        + results_for([deferred], Outcome.DEFERRED, retry_in=600, code=451)
+        + results_for([bounced], Outcome.BOUNCED, code=550)
+    )
+    applied = await queue.record_attempts(pool, results)
+    assert len(applied) == 3
+    rows = {
+        r["message_id"]: r
+        for r in await pool.fetch(
+            "SELECT message_id, status, last_code, lease_owner, next_attempt_at - now() AS wait FROM recipient"
+        )
+    }
+    assert rows[delivered.message_id]["status"] == "delivered"
+    assert rows[bounced.message_id]["status"] == "bounced"
+    assert rows[bounced.message_id]["last_code"] == 550
+    assert rows[deferred.message_id]["status"] == "queued"
+    assert timedelta(seconds=590) < rows[deferred.message_id]["wait"] <= timedelta(seconds=600)
+    assert all(r["lease_owner"] is None for r in rows.values())
+    attempts = await pool.fetch("SELECT outcome, code, mx_host, applied FROM attempt ORDER BY code")
+    assert [(a["outcome"], a["code"]) for a in attempts] == [
+        ("delivered", 250),
+        ("deferred", 451),
+        ("bounced", 550),
+    ]
+    assert all(a["applied"] and a["mx_host"] == "mx.example.net" for a in attempts)
+
+
+async def test_a_stale_claim_cannot_overwrite_a_newer_one(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    await bulk_queue(pool, org_id, messages=1)
+    old = await queue.claim_due_recipients(pool, owner="slow-node", lease=1, batch=1)
+    await asyncio.sleep(1.2)
+    await queue.requeue_expired_leases(pool)
+    new = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=1)
+    # The slow node finally reports a bounce: it is logged, not applied.
+    assert await queue.record_attempts(pool, results_for(old, Outcome.BOUNCED, code=550)) == set()
+    assert await pool.fetchval("SELECT status FROM recipient") == "delivering"
+    assert await queue.record_attempts(pool, results_for(new, Outcome.DELIVERED)) != set()
+    assert await pool.fetchval("SELECT status FROM recipient") == "delivered"
+    log = await pool.fetch(
+        "SELECT outcome, applied FROM attempt WHERE code IS NOT NULL ORDER BY recorded_at"
+    )
+    assert [(r["outcome"], r["applied"]) for r in log] == [("bounced", False), ("delivered", True)]
+
+
+async def test_renew_and_release(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
+    await bulk_queue(pool, org_id, messages=2)
+    deliveries = await queue.claim_due_recipients(pool, owner=OWNER, lease=5, batch=10)
+    ids = [r.id for d in deliveries for r in d.recipients]
+    assert await queue.renew_leases(pool, ids, owner=OWNER, lease=3600) == 2
+    assert await queue.renew_leases(pool, ids, owner="someone-else", lease=3600) == 0
+    left = await pool.fetchval("SELECT min(lease_until - now()) FROM recipient")
+    assert left > timedelta(seconds=3500)
+    assert await queue.release_leases(pool, ids[:1], owner=OWNER) == 1
+    row = await pool.fetchrow(
+        "SELECT status, attempts, lease_owner FROM recipient WHERE id = $1", ids[0]
+    )
+    assert (row["status"], row["attempts"], row["lease_owner"]) == ("queued", 0, None)
+
+
+async def test_expiry_of_old_due_recipients(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
+    await bulk_queue(pool, org_id, messages=3, age=6 * 86400)
+    await bulk_queue(pool, org_id, messages=2, age=60)
+    expired = await queue.expire_old_recipients(pool, max_age=5 * 86400, max_age_text="5d")
+    assert len(expired) == 3
+    assert await pool.fetchval("SELECT count(*) FROM recipient WHERE status = 'expired'") == 3
+    responses = await pool.fetch("SELECT outcome, response FROM attempt")
+    assert all(r["outcome"] == "expired" and "5d" in r["response"] for r in responses)
+    assert await queue.expire_old_recipients(pool, max_age=5 * 86400, max_age_text="5d") == []
+
+
+async def test_stats_count_the_live_queue(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
+    await bulk_queue(pool, org_id, messages=4, due_in=-120)
+    await bulk_queue(pool, org_id, messages=3, due_in=3600)
+    await bulk_queue(pool, org_id, messages=5, status="delivered")
+    await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=1)
+    stats = await queue.queue_stats(pool)
+    assert (stats.queued, stats.due, stats.delivering) == (6, 3, 1)
+    assert 100 < stats.oldest_due_age < 200
+
+
+async def test_claim_query_uses_the_partial_index(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
+    await bulk_queue(pool, org_id, messages=100_000, status="delivered")
+    await bulk_queue(pool, org_id, messages=20_000, due_in=86400)
+    await bulk_queue(pool, org_id, messages=50)
+    await pool.execute("ANALYZE")
+    async with pool.acquire() as conn, conn.transaction():
+        plan = await conn.fetchval("EXPLAIN (FORMAT JSON) " + queue._CLAIM, 300.0, OWNER, 100)
+        await conn.execute("ROLLBACK AND CHAIN")
+    nodes = list(_plan_nodes(json.loads(plan) if isinstance(plan, str) else plan))
+    scans = [
+        (n["Node Type"], n.get("Index Name"))
+        for n in nodes
+        if n.get("Relation Name") == "recipient"
+    ]
+    assert ("Index Scan", "recipient_due") in scans, scans
+    assert all(kind != "Seq Scan" for kind, _ in scans), scans
+
+
+def _plan_nodes(node: object):  # type: ignore[no-untyped-def]
+    if isinstance(node, list):
+        for item in node:
+            yield from _plan_nodes(item)
+    elif isinstance(node, dict):
+        if "Node Type" in node:
+            yield node
+        for value in node.values():
+            if isinstance(value, list | dict):
+                yield from _plan_nodes(value)
+
+
+def _result(recipient_id: uuid.UUID, message_id: uuid.UUID, org_id: uuid.UUID) -> AttemptResult:
+    return AttemptResult(
+        recipient_id=recipient_id,
+        message_id=message_id,
+        org_id=org_id,
+        attempt=1,
+        outcome=Outcome.DEFERRED,
+        reply=Reply(451, "4.0.0", "later"),
+        started_at=datetime.now(UTC),
+    )
+
+
+async def test_deferred_without_next_attempt_is_refused(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    with pytest.raises(ValueError):
+        await queue.record_attempts(pool, [_result(uuid.uuid4(), uuid.uuid4(), org_id)])

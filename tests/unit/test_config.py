@@ -1,0 +1,147 @@
+"""Settings: defaults of the interface contract, parsing, and one clear error per mistake."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pigeon_mta.config import ConfigError, Duration, HostPort, load_settings, settings_schema_keys
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "pigeon.toml"
+    path.write_text(text)
+    return path
+
+
+def test_builtin_defaults_match_the_contract() -> None:
+    s = load_settings(None, env={})
+    assert s.source == "built-in defaults"
+    listeners = {x.name: x for x in s.listener}
+    assert listeners["relay"].address == HostPort("127.0.0.1", 2525)
+    assert listeners["relay"].mode == "relay"
+    assert listeners["submission"].address == HostPort("127.0.0.1", 2587)
+    assert listeners["submission"].mode == "submission"
+    assert s.metrics.listen == HostPort("127.0.0.1", 9187)
+    assert set(s.relay.trusted_networks) == {"127.0.0.0/8", "::1/128"}
+    assert s.relay.trusted_org == "internal"
+    assert s.database.url == ""
+    assert s.delivery.retry_initial == 300 and s.delivery.retry_max == 3600
+    assert s.delivery.max_age == 5 * 86400 and s.delivery.lease == 300
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("250ms", 0.25),
+        ("30s", 30),
+        ("5m", 300),
+        ("1h", 3600),
+        ("5d", 432000),
+        ("2w", 1209600),
+        ("45", 45),
+        (12, 12),
+        (1.5, 1.5),
+    ],
+)
+def test_durations(text: object, seconds: float) -> None:
+    assert Duration.parse(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("bad", ["5x", "", "m5", "-1s", True, "1 h h"])
+def test_bad_durations(bad: object) -> None:
+    with pytest.raises(ValueError):
+        Duration.parse(bad)
+
+
+@pytest.mark.parametrize(
+    ("text", "host", "port"),
+    [
+        ("127.0.0.1:25", "127.0.0.1", 25),
+        ("[::1]:2525", "::1", 2525),
+        ("mx.example:587", "mx.example", 587),
+    ],
+)
+def test_addresses(text: str, host: str, port: int) -> None:
+    assert HostPort.parse(text) == HostPort(host, port)
+
+
+def test_file_overrides_and_env_database_url(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+[server]
+hostname = "mta.example.com"
+[[listener]]
+name = "smtp"
+address = "0.0.0.0:25"
+mode = "relay"
+[delivery]
+retry_initial = "1m"
+routes = { "corp.example" = "10.1.2.3:25" }
+[dns]
+nameservers = ["127.0.0.1:5353", "::1"]
+""",
+    )
+    s = load_settings(path, env={"PIGEON_DATABASE_URL": "postgresql://u@db/pigeon"})
+    assert s.server.hostname == "mta.example.com"
+    assert [x.name for x in s.listener] == ["smtp"]
+    assert s.delivery.retry_initial == 60
+    assert s.delivery.routes == {"corp.example": "10.1.2.3:25"}
+    assert s.database.url == "postgresql://u@db/pigeon"
+    assert s.source == str(path)
+
+
+def test_config_env_variable_names_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, '[server]\nhostname = "from-env.example"\n')
+    assert (
+        load_settings(None, env={"PIGEON_CONFIG": str(path)}).server.hostname == "from-env.example"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('[server]\nhostnme = "x"\n', "unknown key 'server.hostnme'"),
+        ('[sever]\nhostname = "x"\n', "unknown key 'sever'"),
+        (
+            '[[listener]]\nname="a"\naddress="127.0.0.1:25"\nport=2\n',
+            "unknown key 'listener[0].port'",
+        ),
+        ('[delivery]\nretry_initial = "5 minutes"\n', "'delivery.retry_initial'"),
+        ('[metrics]\nlisten = "localhost"\n', "'metrics.listen'"),
+        ('[[listener]]\nname="a"\naddress="127.0.0.1:99999"\n', "'listener[0].address'"),
+        ('[[listener]]\nname="a"\naddress="127.0.0.1:25"\nmode="smtp"\n', "'listener[0].mode'"),
+        ('[relay]\ntrusted_networks = ["10.0.0.0/33"]\n', "'relay.trusted_networks[0]'"),
+        ('[limits]\nmax_recipients = "many"\n', "'limits.max_recipients'"),
+        ('[delivery]\nrelayhost = "smtp.example:x"\n', "'delivery.relayhost'"),
+        ('[dns]\nnameservers = ["resolver.example"]\n', "'dns.nameservers[0]'"),
+        ("[server\n", "not valid TOML"),
+    ],
+)
+def test_each_mistake_names_its_key(tmp_path: Path, text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, text), env={})
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(tmp_path / "nope.toml", env={})
+
+
+def test_schema_keys_cover_sections() -> None:
+    keys = settings_schema_keys()
+    for key in (
+        "server.hostname",
+        "database.url",
+        "listener.address",
+        "relay.trusted_org",
+        "delivery.routes",
+        "dns.nameservers",
+        "metrics.listen",
+        "limits.max_message_size",
+    ):
+        assert key in keys
