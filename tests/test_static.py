@@ -16,9 +16,13 @@ def run(*cmd: str) -> subprocess.CompletedProcess[str]:
 
 
 def tool(name: str) -> list[str]:
-    if shutil.which(name) is None and subprocess.run(
-        [sys.executable, "-m", name, "--version"], capture_output=True
-    ).returncode != 0:
+    if (
+        shutil.which(name) is None
+        and subprocess.run(
+            [sys.executable, "-m", name, "--version"], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.fail(f"{name} is not installed; install the test extra: pip install -e '.[test]'")
     return [sys.executable, "-m", name]
 
