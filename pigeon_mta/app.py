@@ -18,6 +18,7 @@ import os
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import asyncpg
 
@@ -121,15 +122,40 @@ def format_duration(seconds: float) -> str:
 # ---------------------------------------------------------------- worker
 
 
-async def run_worker(settings: Settings, url: str, index: int, stop: asyncio.Event) -> None:
-    """One serving process: its pool and the services that run in every process.
+class Service(Protocol):
+    """Something every worker process runs: a listener set, the delivery engine, ..."""
 
-    Later pieces (submission listeners, the outbound engine) start here and drain when `stop` is set.
-    """
+    name: str
+
+    async def start(self) -> None:
+        """Bind / begin work. Raising aborts the worker's start-up."""
+
+    async def stop(self, deadline: float) -> None:
+        """Stop taking new work; finish in-flight work by `deadline` (loop time); release the rest."""
+
+
+def worker_services(settings: Settings, pool: asyncpg.Pool, url: str, index: int) -> list[Service]:
+    """The services of one worker process, in start order (they stop in reverse order)."""
+    services: list[Service] = []
+    return services
+
+
+async def run_worker(settings: Settings, url: str, index: int, stop: asyncio.Event) -> None:
+    """One serving process: its pool and the services that run in every process."""
     pool = await store_connect.create_pool(url, settings)
+    started: list[Service] = []
     try:
+        for service in worker_services(settings, pool, url, index):
+            await service.start()
+            started.append(service)
         log.info("worker %d ready", index)
         await stop.wait()
+        deadline = asyncio.get_running_loop().time() + settings.server.shutdown_timeout
+        for service in reversed(started):
+            try:
+                await service.stop(deadline)
+            except Exception:
+                log.exception("worker %d: stopping %s failed", index, service.name)
     finally:
         await pool.close()
 

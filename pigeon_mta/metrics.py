@@ -1,0 +1,56 @@
+"""Every Prometheus metric pigeon-mta exports, in one place (names are part of the interface contract).
+
+Labels never carry a domain or an address: their cardinality would follow the traffic.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# ---------------------------------------------------------------- submission
+MESSAGES_ACCEPTED = Counter(
+    "pigeon_messages_accepted", "Messages accepted and queued", ["listener"]
+)
+SMTP_REJECTIONS = Counter(
+    "pigeon_smtp_rejections", "SMTP commands or messages refused", ["listener", "reason"]
+)
+AUTH_FAILURES = Counter("pigeon_auth_failures", "Failed SMTP AUTH attempts", ["listener"])
+
+# ---------------------------------------------------------------- queue (set by the stats query)
+QUEUE_RECIPIENTS = Gauge(
+    "pigeon_queue_recipients",
+    "Recipients in the queue by status",
+    ["status"],
+    multiprocess_mode="mostrecent",
+)
+QUEUE_OLDEST_AGE = Gauge(
+    "pigeon_queue_oldest_age_seconds",
+    "How long the longest-waiting due recipient has waited",
+    multiprocess_mode="mostrecent",
+)
+
+# ---------------------------------------------------------------- delivery
+DELIVERIES = Counter(
+    "pigeon_deliveries",
+    "Recipient outcomes (delivered, deferred, bounced, expired, suppressed)",
+    ["outcome"],
+)
+DELIVERY_ATTEMPT_SECONDS = Histogram(
+    "pigeon_delivery_attempt_seconds",
+    "Time of one SMTP delivery transaction",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+ACCEPT_TO_DELIVERY_SECONDS = Histogram(
+    "pigeon_accept_to_delivery_seconds",
+    "Time from the 250 to the client until the recipient's server accepted the message",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 14400, 86400),
+)
+OUTBOUND_CONNECTIONS_OPEN = Gauge(
+    "pigeon_outbound_connections_open",
+    "Open outbound SMTP connections",
+    multiprocess_mode="livesum",
+)
+OUTBOUND_CONNECTION_REUSES = Counter(
+    "pigeon_outbound_connection_reuses", "Outbound transactions that reused an open connection"
+)
+DKIM_SIGNATURES = Counter("pigeon_dkim_signatures", "DKIM signatures made", ["algorithm"])
