@@ -43,7 +43,25 @@ DELIVERY_ATTEMPT_SECONDS = Histogram(
 ACCEPT_TO_DELIVERY_SECONDS = Histogram(
     "pigeon_accept_to_delivery_seconds",
     "Time from the 250 to the client until the recipient's server accepted the message",
-    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 14400, 86400),
+    buckets=(
+        0.01,
+        0.025,
+        0.05,
+        0.1,
+        0.25,
+        0.5,
+        1,
+        2.5,
+        5,
+        10,
+        30,
+        60,
+        300,
+        900,
+        3600,
+        14400,
+        86400,
+    ),
 )
 OUTBOUND_CONNECTIONS_OPEN = Gauge(
     "pigeon_outbound_connections_open",
