@@ -1,8 +1,12 @@
-"""The wake-up channel: LISTEN on a dedicated connection that is rebuilt when it drops.
+"""The wake-up channel: LISTEN on a dedicated connection that is rebuilt when it drops, and NOTIFY.
 
-New mail NOTIFYs inside its enqueue transaction; an idle engine waits on `QueueWaker.wait`, which
-returns at the first of: a notification, the poll interval, or `close()`. Polling covers whatever
-a dropped connection missed.
+An idle engine waits on `QueueWaker.wait`, which returns at the first of: a notification, a local
+`wake()`, the poll interval, or `close()`. Polling covers whatever a dropped connection missed.
+
+New mail announces itself either with a NOTIFY inside its enqueue transaction (low-rate paths), or
+-- on the submission path -- through `NotifySender.poke()` after its commit: that wakes the engine
+in the same process at once and sends one NOTIFY for any number of pokes that arrive while the
+previous one is in flight. Either way the notification is seen only after the rows are committed.
 """
 
 from __future__ import annotations
@@ -108,3 +112,41 @@ class QueueWaker:
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._closed.wait(), seconds)
+
+
+class NotifySender:
+    """Coalesced NOTIFYs sent after commit: one in flight at a time, none lost at the trailing edge."""
+
+    def __init__(self, pool: asyncpg.Pool, local: QueueWaker | None = None) -> None:
+        self._pool = pool
+        self._local = local
+        self._pending = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.sent = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="queue-notify")
+
+    def poke(self) -> None:
+        """Called after a commit that queued mail."""
+        if self._local is not None:
+            self._local.wake()
+        self._pending.set()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            await self._pending.wait()
+            self._pending.clear()
+            try:
+                await self._pool.execute("SELECT pg_notify($1, '')", NOTIFY_CHANNEL)
+                self.sent += 1
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+                # Other engines will find the mail at their next poll.
+                log.debug("NOTIFY failed: %s", exc)
+                await asyncio.sleep(0.5)

@@ -38,7 +38,7 @@ def recipient_domain(address: str) -> str:
 
 # ---------------------------------------------------------------- enqueue
 
-_ENQUEUE = f"""
+_ENQUEUE_TEMPLATE = """
 WITH m AS (
     INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
                          client_ip, client_helo, credential_id, auth_user)
@@ -49,21 +49,27 @@ WITH m AS (
     SELECT u.id, m.id, m.org_id, u.address, u.domain, m.received_at, m.received_at
     FROM m, unnest($12::uuid[], $13::text[], $14::text[]) AS u (id, address, domain)
 )
-SELECT pg_notify('{NOTIFY_CHANNEL}', '') FROM m
+SELECT {notify} FROM m
 """
+_ENQUEUE = _ENQUEUE_TEMPLATE.format(notify=f"pg_notify('{NOTIFY_CHANNEL}', '')")
+_ENQUEUE_QUIET = _ENQUEUE_TEMPLATE.format(notify="1")
 
 
-async def enqueue(db: Executor, envelope: Envelope) -> uuid.UUID:
+async def enqueue(db: Executor, envelope: Envelope, *, notify: bool = True) -> uuid.UUID:
     """Queue a message and all its recipients in one statement; returns the queue id.
 
-    The NOTIFY is part of the same transaction, so PostgreSQL delivers it only on commit: a worker
-    woken by it always finds the rows.
+    With `notify`, the NOTIFY is part of the same transaction, so PostgreSQL delivers it only on
+    commit: a worker woken by it always finds the rows. But a transaction that NOTIFYs holds
+    PostgreSQL's notification-queue lock from pre-commit until its commit record is flushed, so such
+    transactions cannot share a WAL flush (group commit): measured here, 16 connections enqueue
+    barely faster than one. The high-rate submission path therefore passes `notify=False` and
+    pokes a `NotifySender` after the commit instead, which coalesces wake-ups (store/notify.py).
     """
     if not envelope.recipients:
         raise ValueError("a message needs at least one recipient")
     queue_id = new_id()
     await db.execute(
-        _ENQUEUE,
+        _ENQUEUE if notify else _ENQUEUE_QUIET,
         queue_id,
         envelope.org_id,
         envelope.sender,

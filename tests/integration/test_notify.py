@@ -78,3 +78,40 @@ async def test_killed_listen_connection_is_rebuilt(
         assert await asyncio.wait_for(waiting, POLL) is True
     finally:
         await waker.close()
+
+
+async def test_quiet_enqueue_plus_notify_sender_wakes_other_engines(
+    pool: asyncpg.Pool, db_url: str, org_id: uuid.UUID
+) -> None:
+    from pigeon_mta.store.notify import NotifySender
+
+    other = await started_waker(db_url)  # an engine in another process or node
+    local = QueueWaker(lambda: asyncpg.connect(db_url))  # this process's engine (not listening)
+    sender = NotifySender(pool, local)
+    sender.start()
+    try:
+        waiting = asyncio.create_task(other.wait(POLL))
+        await asyncio.sleep(0.2)
+        for _ in range(50):
+            await queue.enqueue(pool, mail(org_id), notify=False)
+            sender.poke()
+        assert await local.wait(0) is True, "the local engine is woken at once"
+        assert await asyncio.wait_for(waiting, POLL) is True
+        deadline = time.monotonic() + 10
+        while sender.sent == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert 1 <= sender.sent <= 50, "pokes are coalesced, never dropped"
+    finally:
+        await sender.close()
+        await other.close()
+
+
+async def test_quiet_enqueue_sends_no_notification(
+    pool: asyncpg.Pool, db_url: str, org_id: uuid.UUID
+) -> None:
+    waker = await started_waker(db_url)
+    try:
+        await queue.enqueue(pool, mail(org_id), notify=False)
+        assert await waker.wait(0.5) is False
+    finally:
+        await waker.close()

@@ -1,0 +1,216 @@
+"""Queue benchmark: enqueue rate, claim + record rate, and claim rate on a large table.
+
+Runs against a scratch database it creates (and drops) on the server given by --url (default: the
+local PostgreSQL on 127.0.0.1:5432). Every phase is bounded in count and time.
+
+    .venv/bin/python bench/queue_bench.py [--url postgresql://postgres@127.0.0.1/postgres] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import sys
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
+from pigeon_mta.store import queue
+from pigeon_mta.store.migrate import migrate
+from pigeon_mta.store.orgs import ensure_org
+
+BODY = (
+    b"From: bench@example.com\r\nTo: rcpt@example.net\r\nSubject: bench\r\n\r\n"
+    + (b"x" * 76 + b"\r\n") * 64
+)[:5120]
+
+
+def with_db(url: str, name: str) -> str:
+    p = urlsplit(url)
+    return urlunsplit((p.scheme, p.netloc, "/" + name, p.query, ""))
+
+
+async def enqueue_rate(
+    url: str, org_id: uuid.UUID, connections: int, count: int, seconds: float
+) -> float:
+    conns = [await asyncpg.connect(url) for _ in range(connections)]
+    per = count // connections
+    deadline = time.monotonic() + seconds
+
+    async def run(conn: asyncpg.Connection) -> int:
+        done = 0
+        while done < per and time.monotonic() < deadline:
+            await queue.enqueue(
+                conn,
+                Envelope(org_id, "bench@example.com", ("rcpt@example.net",), BODY, "bench"),
+            )
+            done += 1
+        return done
+
+    began = time.monotonic()
+    done = sum(await asyncio.gather(*(run(c) for c in conns)))
+    elapsed = time.monotonic() - began
+    for c in conns:
+        await c.close()
+    return done / elapsed
+
+
+async def load_due(
+    conn: asyncpg.Connection,
+    org_id: uuid.UUID,
+    n: int,
+    *,
+    status: str = "queued",
+    due_in: float = 0,
+) -> None:
+    await conn.execute(
+        """
+        WITH m AS (
+            INSERT INTO message (id, org_id, sender, size, body, listener)
+            SELECT gen_random_uuid(), $1, 'bench@example.com', 20, 'Subject: b\r\n\r\nb\r\n', 'bench'
+            FROM generate_series(1, $2) RETURNING id, received_at)
+        INSERT INTO recipient (id, message_id, org_id, address, domain, status, created_at, next_attempt_at)
+        SELECT gen_random_uuid(), m.id, $1, 'r@example.net', 'example.net', $3, m.received_at,
+               now() + make_interval(secs => $4)
+        FROM m""",
+        org_id,
+        n,
+        status,
+        due_in,
+    )
+
+
+async def claim_record_rate(
+    url: str, workers: int, count: int, seconds: float, *, record: bool = True
+) -> float:
+    conns = [await asyncpg.connect(url) for _ in range(workers)]
+    deadline = time.monotonic() + seconds
+    taken = [0] * workers
+
+    async def run(i: int, conn: asyncpg.Connection) -> None:
+        while sum(taken) < count and time.monotonic() < deadline:
+            batch = await queue.claim_due_recipients(conn, owner=f"bench-{i}", lease=300, batch=100)
+            if not batch:
+                return
+            if record:
+                now = datetime.now(UTC)
+                await queue.record_attempts(
+                    conn,
+                    [
+                        AttemptResult(
+                            r.id,
+                            d.message_id,
+                            d.org_id,
+                            r.attempts,
+                            Outcome.DELIVERED,
+                            Reply(250, "2.0.0", "ok"),
+                            now,
+                            0.001,
+                            mx_host="mx",
+                            ip="127.0.0.1",
+                            port=25,
+                        )
+                        for d in batch
+                        for r in d.recipients
+                    ],
+                )
+            taken[i] += sum(len(d.recipients) for d in batch)
+
+    began = time.monotonic()
+    await asyncio.gather(*(run(i, c) for i, c in enumerate(conns)))
+    elapsed = time.monotonic() - began
+    for c in conns:
+        await c.close()
+    return sum(taken) / elapsed
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--url",
+        default=os.environ.get(
+            "PIGEON_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+        ),
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller counts (a smoke run)")
+    args = parser.parse_args()
+    scale = 0.1 if args.quick else 1.0
+    name = f"pigeon_bench_{os.getpid()}"
+    admin = await asyncpg.connect(args.url)
+    await admin.execute(f'CREATE DATABASE "{name}"')
+    url = with_db(args.url, name)
+    results: list[tuple[str, str]] = []
+    try:
+        conn = await asyncpg.connect(url)
+        await migrate(conn)
+        org_id = await ensure_org(conn, "bench")
+        fsync = await conn.fetchval("SHOW fsync")
+        sync_commit = await conn.fetchval("SHOW synchronous_commit")
+
+        for connections, target in ((1, "2,000"), (16, "6,000")):
+            rate = await enqueue_rate(url, org_id, connections, int(20000 * scale), 15)
+            results.append(
+                (
+                    f"enqueue 5 KB, 1 recipient, {connections} connection(s)",
+                    f"{rate:,.0f} msgs/s (target >= {target})",
+                )
+            )
+        await conn.execute("TRUNCATE message, recipient, attempt CASCADE")
+
+        n = int(200_000 * scale)
+        await load_due(conn, org_id, n)
+        await conn.execute("VACUUM ANALYZE recipient")
+        for workers in (1, 4):
+            rate = await claim_record_rate(url, workers, n // 2, 20)
+            results.append(
+                (
+                    f"claim + record delivered, batches of 100, {workers} worker(s)",
+                    f"{rate:,.0f} recipients/s (target >= 20,000)",
+                )
+            )
+        await conn.execute("TRUNCATE message, recipient, attempt CASCADE")
+
+        # Claim alone on an empty table vs. one with 1,000,000 finished and 100,000 not-due rows.
+        due = int(100_000 * scale)
+        await load_due(conn, org_id, due)
+        await conn.execute("VACUUM ANALYZE recipient")
+        empty_rate = await claim_record_rate(url, 1, due, 20, record=False)
+        await conn.execute("TRUNCATE message, recipient, attempt CASCADE")
+        await load_due(conn, org_id, int(1_000_000 * scale), status="delivered")
+        await load_due(conn, org_id, int(100_000 * scale), due_in=86400)
+        await load_due(conn, org_id, due)
+        await conn.execute("VACUUM ANALYZE recipient")
+        full_rate = await claim_record_rate(url, 1, due, 20, record=False)
+        results.append(
+            ("claim only, batches of 100, empty table", f"{empty_rate:,.0f} recipients/s")
+        )
+        results.append(
+            (
+                "claim only, with 1M finished + 100k not-due rows",
+                f"{full_rate:,.0f} recipients/s ({full_rate / empty_rate:.0%} of empty; target >= 90%)",
+            )
+        )
+        await conn.close()
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+
+    print(
+        f"# queue_bench {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {platform.node()}, {os.cpu_count()} cores, "
+        f"PostgreSQL fsync={fsync} synchronous_commit={sync_commit}{' (quick)' if args.quick else ''}"
+    )
+    for what, figure in results:
+        print(f"| {what} | {figure} |")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
