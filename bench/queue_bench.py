@@ -79,7 +79,8 @@ async def load_due(
             SELECT gen_random_uuid(), $1, 'bench@example.com', 20, 'Subject: b\r\n\r\nb\r\n', 'bench'
             FROM generate_series(1, $2) RETURNING id, received_at)
         INSERT INTO recipient (id, message_id, org_id, address, domain, status, created_at, next_attempt_at)
-        SELECT gen_random_uuid(), m.id, $1, 'r@example.net', 'example.net', $3, m.received_at,
+        SELECT gen_random_uuid(), m.id, $1, 'r' || left(m.id::text, 13) || '@d' || (hashtext(m.id::text) % 500) || '.example',
+               'd' || (hashtext(m.id::text) % 500) || '.example', $3, m.received_at,
                now() + make_interval(secs => $4)
         FROM m""",
         org_id,
