@@ -110,6 +110,15 @@ class Maintenance:
             log.warning("expiry: %d recipient(s) passed delivery.max_age and expired", len(expired))
             if self.on_expired is not None:
                 await self.on_expired(expired)
+        keep = self.settings.retention.messages
+        if keep > 0:
+            purged = await store_queue.purge_finished_messages(self.pool, older_than=keep)
+            if purged:
+                log.info(
+                    "retention: deleted %d finished message(s) older than %s",
+                    purged,
+                    format_duration(keep),
+                )
 
 
 def format_duration(seconds: float) -> str:

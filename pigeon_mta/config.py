@@ -203,6 +203,14 @@ class MetricsSettings:
     stats_interval: Duration = Duration(5)
 
 
+@dataclass(frozen=True)
+class RetentionSettings:
+    # Finished messages (every recipient delivered, bounced, expired, cancelled or suppressed) are
+    # deleted with their recipients and attempt log this long after they were received. "0" keeps
+    # them forever (the tables then grow without bound).
+    messages: Duration = Duration(30 * 86400)
+
+
 def _default_listeners() -> tuple[ListenerSettings, ...]:
     return (
         ListenerSettings(name="relay", address=HostPort("127.0.0.1", 2525), mode="relay"),
@@ -220,6 +228,7 @@ class Settings:
     delivery: DeliverySettings = field(default_factory=DeliverySettings)
     dns: DnsSettings = field(default_factory=DnsSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    retention: RetentionSettings = field(default_factory=RetentionSettings)
     # Where the settings came from, for messages ("built-in defaults" or a path).
     source: str = "built-in defaults"
 

@@ -9,6 +9,7 @@ whose lease ran out cannot overwrite the work of the claim that replaced it.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -328,6 +329,40 @@ async def expire_old_recipients(
     """Due recipients older than max_age become `expired` (with an attempt-log entry)."""
     rows = await db.fetch(_EXPIRE, float(max_age), limit, max_age_text)
     return [ExpiredRecipient(r["recipient_id"], r["message_id"]) for r in rows]
+
+
+# ---------------------------------------------------------------- retention
+
+# Message ids are UUIDv7, so "received before the cutoff" is a range of the primary key. Only
+# messages none of whose recipients is still queued or being delivered are purged; recipients go
+# with their message (ON DELETE CASCADE), attempts by message id.
+_PURGE = """
+WITH old AS (
+    SELECT m.id FROM message m
+    WHERE m.id < $1
+      AND NOT EXISTS (SELECT 1 FROM recipient r
+                      WHERE r.message_id = m.id AND r.status IN ('queued', 'delivering'))
+    ORDER BY m.id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+), a AS (
+    DELETE FROM attempt WHERE message_id IN (SELECT id FROM old)
+)
+DELETE FROM message WHERE id IN (SELECT id FROM old)
+RETURNING id
+"""
+
+
+async def purge_finished_messages(db: Executor, *, older_than: float, limit: int = 1000) -> int:
+    """Delete up to `limit` finished messages received more than `older_than` seconds ago."""
+    cutoff = id_floor(time.time() - older_than)
+    return len(await db.fetch(_PURGE, cutoff, limit))
+
+
+def id_floor(unix_time: float) -> uuid.UUID:
+    """The smallest UUIDv7 made at `unix_time`: every id made earlier sorts below it."""
+    millis = max(0, int(unix_time * 1000))
+    return uuid.UUID(int=(millis << 80) | (0x7 << 76) | (0b10 << 62))
 
 
 # ---------------------------------------------------------------- stats

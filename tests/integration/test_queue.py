@@ -324,3 +324,36 @@ async def test_deferred_without_next_attempt_is_refused(
 ) -> None:
     with pytest.raises(ValueError):
         await queue.record_attempts(pool, [_result(uuid.uuid4(), uuid.uuid4(), org_id)])
+
+
+async def test_retention_purges_only_old_finished_messages(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    old_done = await queue.enqueue(pool, envelope(org_id, "a@example.net"))
+    old_waiting = await queue.enqueue(pool, envelope(org_id, "b@example.net", "c@example.net"))
+    deliveries = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=10)
+    done = [d for d in deliveries if d.message_id == old_done]
+    waiting = [d for d in deliveries if d.message_id == old_waiting]
+    await queue.record_attempts(pool, results_for(done, Outcome.DELIVERED))
+    # One of old_waiting's recipients is final, the other still deferred: the message stays.
+    first, second = results_for(waiting, Outcome.DEFERRED, code=451)
+    await queue.record_attempts(
+        pool,
+        [
+            first,
+            AttemptResult(**{**vars(second), "outcome": Outcome.BOUNCED, "next_attempt_at": None}),
+        ],
+    )
+    await asyncio.sleep(1.5)
+    fresh = await queue.enqueue(pool, envelope(org_id, "d@example.net"))
+    fresh_done = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=10)
+    await queue.record_attempts(pool, results_for(fresh_done, Outcome.DELIVERED))
+
+    # Messages received more than a second ago count as old here.
+    assert await queue.purge_finished_messages(pool, older_than=1.0) == 1
+    left = {r["id"] for r in await pool.fetch("SELECT id FROM message")}
+    assert left == {old_waiting, fresh}
+    assert await pool.fetchval("SELECT count(*) FROM attempt WHERE message_id = $1", old_done) == 0
+    assert (
+        await pool.fetchval("SELECT count(*) FROM recipient WHERE message_id = $1", old_done) == 0
+    )
