@@ -23,6 +23,7 @@ from typing import Protocol
 import asyncpg
 
 from pigeon_mta.config import Settings
+from pigeon_mta.store import bounces as store_bounces
 from pigeon_mta.store import connect as store_connect
 from pigeon_mta.store import migrate as store_migrate
 from pigeon_mta.store import orgs as store_orgs
@@ -101,11 +102,15 @@ class Maintenance:
             log.warning(
                 "lease sweeper: %d recipient(s) whose lease ran out are queued again", requeued
             )
-        expired = await store_queue.expire_old_recipients(
-            self.pool,
-            max_age=self.settings.delivery.max_age,
-            max_age_text=format_duration(self.settings.delivery.max_age),
-        )
+        # Expiry and the DSNs it owes the senders commit together (store.bounces).
+        expired = (
+            await store_bounces.expire_and_bounce(
+                self.pool,
+                max_age=self.settings.delivery.max_age,
+                max_age_text=format_duration(self.settings.delivery.max_age),
+                hostname=self.settings.server.hostname,
+            )
+        ).recipients
         if expired:
             log.warning("expiry: %d recipient(s) passed delivery.max_age and expired", len(expired))
             if self.on_expired is not None:

@@ -211,6 +211,16 @@ class RetentionSettings:
     messages: Duration = Duration(30 * 86400)
 
 
+@dataclass(frozen=True)
+class BounceSettings:
+    # Send the sender a warning (a DSN with Action: delayed) once a recipient has waited this long
+    # without being delivered; 0 sends none.
+    delay_warning_after: Duration = Duration(0)
+    # How long a hard bounce (invalid recipient, bad domain) keeps an address on its org's
+    # suppression list; 0 keeps it until removed with `pigeon-mta suppress remove`.
+    suppress_for: Duration = Duration(0)
+
+
 def _default_listeners() -> tuple[ListenerSettings, ...]:
     return (
         ListenerSettings(name="relay", address=HostPort("127.0.0.1", 2525), mode="relay"),
@@ -229,6 +239,7 @@ class Settings:
     dns: DnsSettings = field(default_factory=DnsSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     retention: RetentionSettings = field(default_factory=RetentionSettings)
+    bounces: BounceSettings = field(default_factory=BounceSettings)
     # Where the settings came from, for messages ("built-in defaults" or a path).
     source: str = "built-in defaults"
 

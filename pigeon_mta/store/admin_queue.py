@@ -1,0 +1,377 @@
+"""Queue administration: the summary, listing and showing recipients, bulk retry and cancel.
+
+A bulk action and its dry run share one WHERE clause, built once from a `Selection`: the dry run
+counts exactly the rows the action would then update. Rows being delivered right now are never
+part of an action (their worker would overwrite the change when it records its outcome); both the
+dry run and the action report how many such rows matched and were left alone.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+import asyncpg
+
+from pigeon_mta.model import Status
+from pigeon_mta.store.queue import NOTIFY_CHANNEL, Executor
+
+# "deferred" is not a status column value: it is a queued row that was attempted before.
+DEFERRED = "deferred"
+LIVE_STATUSES = (Status.QUEUED, Status.DELIVERING)
+HISTORY_STATUSES = (
+    Status.DELIVERED,
+    Status.BOUNCED,
+    Status.EXPIRED,
+    Status.CANCELLED,
+    Status.SUPPRESSED,
+)
+LISTABLE = (DEFERRED, *(str(s) for s in Status))
+RETRYABLE = (DEFERRED, Status.BOUNCED, Status.EXPIRED)
+CANCELLABLE = (Status.QUEUED, DEFERRED)
+
+Action = Literal["retry", "cancel"]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which recipient rows a command is about. Empty fields do not restrict."""
+
+    statuses: tuple[str, ...] = ()  # column values, or "deferred"
+    domain: str | None = None
+    org_id: uuid.UUID | None = None
+    older_than: float | None = None  # seconds since the recipient was queued
+    ids: tuple[uuid.UUID, ...] = ()  # message (queue) ids or recipient ids
+
+    def where(self, params: list[Any], *, statuses: Sequence[str] | None = None) -> str:
+        """The SQL condition on `recipient r`; appends its parameters to `params`."""
+
+        def param(value: Any) -> str:
+            params.append(value)
+            return f"${len(params)}"
+
+        conditions: list[str] = []
+        wanted = self.statuses if statuses is None else statuses
+        if wanted:
+            plain = [s for s in wanted if s != DEFERRED]
+            alternatives = []
+            if plain:
+                alternatives.append(f"r.status = ANY ({param(plain)}::text[])")
+            if DEFERRED in wanted:
+                alternatives.append("(r.status = 'queued' AND r.attempts > 0)")
+            conditions.append("(" + " OR ".join(alternatives) + ")")
+        if self.domain:
+            conditions.append(f"r.domain = {param(self.domain.lower())}")
+        if self.org_id:
+            conditions.append(f"r.org_id = {param(self.org_id)}")
+        if self.older_than is not None:
+            conditions.append(
+                f"r.created_at < now() - make_interval(secs => {param(float(self.older_than))})"
+            )
+        if self.ids:
+            ids = param(list(self.ids))
+            conditions.append(f"(r.id = ANY ({ids}::uuid[]) OR r.message_id = ANY ({ids}::uuid[]))")
+        return " AND ".join(conditions) or "true"
+
+
+# ---------------------------------------------------------------- bulk actions
+
+# The new state of a row an action touches. A retried bounce or expiry gets a fresh max_age from
+# now (created_at restarts); otherwise the expiry would take it back at its next pass.
+_SET = {
+    "retry": """status = 'queued', next_attempt_at = now(), updated_at = now(),
+                created_at = CASE WHEN r.status IN ('bounced', 'expired') THEN now()
+                                  ELSE r.created_at END""",
+    "cancel": """status = 'cancelled', lease_until = NULL, lease_owner = NULL,
+                 updated_at = now()""",
+}
+
+
+@dataclass(frozen=True)
+class ActionResult:
+    action: Action
+    dry_run: bool
+    count: int  # rows touched (or, with dry_run, that would be)
+    delivering: int  # rows that matched but are being delivered now, left alone
+
+
+async def bulk_action(
+    db: asyncpg.Connection, action: Action, selection: Selection, *, dry_run: bool
+) -> ActionResult:
+    """Retry or cancel the selected rows (or, with dry_run, count them), in one transaction."""
+    allowed = RETRYABLE if action == "retry" else CANCELLABLE
+    wrong = [s for s in selection.statuses if s not in allowed]
+    if wrong:
+        raise ValueError(f"cannot {action} recipients that are {', '.join(wrong)}")
+    statuses = selection.statuses or allowed
+    params: list[Any] = []
+    where = selection.where(params, statuses=statuses)
+    busy_params: list[Any] = []
+    busy_where = selection.where(busy_params, statuses=[Status.DELIVERING])
+    async with db.transaction():
+        if dry_run:
+            count = await db.fetchval(f"SELECT count(*) FROM recipient r WHERE {where}", *params)
+        else:
+            tag = await db.execute(f"UPDATE recipient r SET {_SET[action]} WHERE {where}", *params)
+            count = int(tag.rsplit(" ", 1)[-1])  # "UPDATE n"
+            if action == "retry" and count:
+                # Wake idle workers now rather than at their next poll (sent on commit).
+                await db.execute("SELECT pg_notify($1, '')", NOTIFY_CHANNEL)
+        delivering = await db.fetchval(
+            f"SELECT count(*) FROM recipient r WHERE {busy_where}", *busy_params
+        )
+    return ActionResult(action, dry_run, int(count), int(delivering))
+
+
+# ---------------------------------------------------------------- list and show
+
+
+@dataclass(frozen=True)
+class RecipientRow:
+    id: uuid.UUID
+    queue_id: uuid.UUID
+    org: str
+    sender: str
+    address: str
+    status: str
+    attempts: int
+    created_at: datetime
+    next_attempt_at: datetime
+    lease_owner: str | None
+    last_code: int | None
+    last_enhanced_code: str | None
+    last_response: str | None
+
+    @property
+    def last_reply(self) -> str | None:
+        parts = [str(p) for p in (self.last_code, self.last_enhanced_code, self.last_response) if p]
+        return " ".join(parts) or None
+
+
+_ROW_COLUMNS = """r.id, r.message_id AS queue_id, o.name AS org, m.sender, r.address, r.status,
+    r.attempts, r.created_at, r.next_attempt_at, r.lease_owner, r.last_code,
+    r.last_enhanced_code, r.last_response"""
+
+
+def _recipient_row(row: asyncpg.Record) -> RecipientRow:
+    return RecipientRow(**{k: row[k] for k in RecipientRow.__dataclass_fields__})
+
+
+async def list_recipients(
+    db: Executor, selection: Selection, *, limit: int = 100
+) -> list[RecipientRow]:
+    """The selected recipients, oldest first. With no status given, the live queue only."""
+    params: list[Any] = []
+    statuses = selection.statuses or (Status.QUEUED, Status.DELIVERING)
+    where = selection.where(params, statuses=statuses)
+    params.append(limit)
+    rows = await db.fetch(
+        f"""SELECT {_ROW_COLUMNS}
+            FROM recipient r JOIN message m ON m.id = r.message_id JOIN org o ON o.id = r.org_id
+            WHERE {where}
+            ORDER BY r.created_at, r.id
+            LIMIT ${len(params)}""",
+        *params,
+    )
+    return [_recipient_row(r) for r in rows]
+
+
+@dataclass(frozen=True)
+class MessageDetail:
+    queue_id: uuid.UUID
+    org: str
+    sender: str
+    header_message_id: str | None
+    size: int
+    received_at: datetime
+    listener: str
+    client_ip: str | None
+    auth_user: str | None
+    recipients: list[RecipientRow]
+    attempts: list[dict[str, Any]] = field(default_factory=list)  # when a recipient was named
+
+
+async def show(db: Executor, ref: uuid.UUID, *, org_id: uuid.UUID | None = None) -> MessageDetail:
+    """A message by queue id (all its recipients), or by recipient id (that one and its attempts).
+
+    Raises LookupError when no message or recipient has the id (in the org, when one is given).
+    """
+    message_id = await db.fetchval(
+        """SELECT m.id FROM message m WHERE m.id = $1 AND ($2::uuid IS NULL OR m.org_id = $2)
+           UNION ALL
+           SELECT r.message_id FROM recipient r
+           WHERE r.id = $1 AND ($2::uuid IS NULL OR r.org_id = $2)
+           LIMIT 1""",
+        ref,
+        org_id,
+    )
+    if message_id is None:
+        raise LookupError(f"no message or recipient has the id {ref}")
+    message = await db.fetchrow(
+        """SELECT m.id, o.name AS org, m.sender, m.header_message_id, m.size, m.received_at,
+                  m.listener, host(m.client_ip) AS client_ip, m.auth_user
+           FROM message m JOIN org o ON o.id = m.org_id WHERE m.id = $1""",
+        message_id,
+    )
+    assert message is not None
+    one_recipient = message_id != ref
+    rows = await db.fetch(
+        f"""SELECT {_ROW_COLUMNS}
+            FROM recipient r JOIN message m ON m.id = r.message_id JOIN org o ON o.id = r.org_id
+            WHERE r.message_id = $1 AND (NOT $2 OR r.id = $3)
+            ORDER BY r.address""",
+        message_id,
+        one_recipient,
+        ref,
+    )
+    attempts: list[dict[str, Any]] = []
+    if one_recipient:
+        attempts = [
+            dict(a)
+            for a in await db.fetch(
+                """SELECT attempt, started_at, outcome, mx_host, ip, code, enhanced_code,
+                          response, category, rule, applied
+                   FROM attempt WHERE recipient_id = $1 ORDER BY started_at, recorded_at""",
+                ref,
+            )
+        ]
+    return MessageDetail(
+        queue_id=message["id"],
+        org=message["org"],
+        sender=message["sender"],
+        header_message_id=message["header_message_id"],
+        size=message["size"],
+        received_at=message["received_at"],
+        listener=message["listener"],
+        client_ip=message["client_ip"],
+        auth_user=message["auth_user"],
+        recipients=[_recipient_row(r) for r in rows],
+        attempts=attempts,
+    )
+
+
+# ---------------------------------------------------------------- summary
+
+
+@dataclass(frozen=True)
+class Destination:
+    domain: str
+    deferred: int
+    last_code: int | None
+    last_enhanced_code: str | None
+    last_response: str | None
+    last_at: datetime
+
+
+@dataclass(frozen=True)
+class QueueSummary:
+    counts: dict[str, int]  # recipients per status
+    estimated: frozenset[str]  # statuses whose count is the planner's estimate, not a count
+    due: int  # queued and due now
+    deferred: int  # queued after at least one attempt
+    oldest_due_age: float  # seconds the longest-waiting due recipient has waited (0 if none)
+    top_deferred: list[Destination]
+
+
+# Only the live part of the table is read, through the partial indexes recipient_due,
+# recipient_leased and recipient_deferred (index-only scans once vacuum has marked the pages), so
+# the cost follows the queue, not the history of delivered mail.
+_LIVE = """
+SELECT q.queued, q.due,
+    (SELECT count(*) FROM recipient WHERE status = 'delivering') AS delivering,
+    (SELECT COALESCE(extract(epoch FROM now() - min(next_attempt_at)), 0)
+       FROM recipient WHERE status = 'queued' AND next_attempt_at <= now()) AS oldest_due_age
+FROM (SELECT count(*) AS queued, count(*) FILTER (WHERE next_attempt_at <= now()) AS due
+      FROM recipient WHERE status = 'queued') q
+"""
+
+# One pass over recipient_deferred gives the count per destination and (window sum, taken before
+# the LIMIT) the total; the latest reply of each top destination is one backward index step.
+_TOP_DEFERRED = """
+WITH g AS MATERIALIZED (
+    SELECT domain, count(*) AS deferred FROM recipient
+    WHERE status = 'queued' AND attempts > 0
+    GROUP BY domain
+)
+SELECT t.domain, t.deferred, t.total, l.last_code, l.last_enhanced_code, l.last_response,
+       l.updated_at
+FROM (SELECT domain, deferred, sum(deferred) OVER () AS total FROM g
+      ORDER BY deferred DESC, domain LIMIT $1) t
+CROSS JOIN LATERAL (
+    SELECT last_code, last_enhanced_code, last_response, updated_at FROM recipient
+    WHERE status = 'queued' AND attempts > 0 AND domain = t.domain
+    ORDER BY updated_at DESC LIMIT 1) l
+ORDER BY t.deferred DESC, t.domain
+"""
+
+# Finished recipients are history and may be many millions: counting them is a full scan. Unless
+# asked for exact counts, take the planner's figures (row estimate scaled to the table's current
+# size, times each status's frequency in the statistics) when the table is big enough to matter.
+_ESTIMATE = """
+SELECT c.reltuples, c.relpages,
+       pg_relation_size(c.oid) / current_setting('block_size')::int AS pages_now,
+       s.most_common_vals::text::text[] AS vals, s.most_common_freqs AS freqs
+FROM pg_class c
+LEFT JOIN pg_stats s ON s.schemaname = current_schema() AND s.tablename = c.relname
+                     AND s.attname = 'status'
+WHERE c.oid = 'recipient'::regclass
+"""
+
+_EXACT_HISTORY = """
+SELECT status, count(*) FROM recipient
+WHERE status <> ALL (ARRAY['queued', 'delivering']) GROUP BY status
+"""
+
+ESTIMATE_ABOVE = 200_000  # rows in the table; below this an exact count is cheap
+
+
+async def queue_summary(
+    db: Executor, *, top: int = 10, exact: bool = False, estimate_above: int = ESTIMATE_ABOVE
+) -> QueueSummary:
+    live = await db.fetchrow(_LIVE)
+    assert live is not None
+    counts: dict[str, int] = {s: 0 for s in Status}
+    counts[Status.QUEUED] = live["queued"]
+    counts[Status.DELIVERING] = live["delivering"]
+    history, estimated = await _history_counts(db, exact=exact, estimate_above=estimate_above)
+    counts.update(history)
+    rows = await db.fetch(_TOP_DEFERRED, max(top, 1))
+    destinations = [
+        Destination(
+            domain=r["domain"],
+            deferred=r["deferred"],
+            last_code=r["last_code"],
+            last_enhanced_code=r["last_enhanced_code"],
+            last_response=r["last_response"],
+            last_at=r["updated_at"],
+        )
+        for r in rows[:top]
+    ]
+    return QueueSummary(
+        counts=counts,
+        estimated=estimated,
+        due=live["due"],
+        deferred=int(rows[0]["total"]) if rows else 0,
+        oldest_due_age=float(live["oldest_due_age"]),
+        top_deferred=destinations,
+    )
+
+
+async def _history_counts(
+    db: Executor, *, exact: bool, estimate_above: int
+) -> tuple[dict[str, int], frozenset[str]]:
+    if not exact:
+        stats = await db.fetchrow(_ESTIMATE)
+        if stats is not None and stats["vals"] is not None and stats["reltuples"] > 0:
+            rows = float(stats["reltuples"])
+            if stats["relpages"] > 0:
+                rows = rows / stats["relpages"] * stats["pages_now"]
+            if rows >= estimate_above:
+                freqs = dict(zip(stats["vals"], stats["freqs"], strict=True))
+                counts = {str(s): round(rows * freqs.get(str(s), 0.0)) for s in HISTORY_STATUSES}
+                return counts, frozenset(counts)
+    rows_by_status = await db.fetch(_EXACT_HISTORY)
+    return {r["status"]: r["count"] for r in rows_by_status}, frozenset()

@@ -1,0 +1,265 @@
+"""The suppression list: per-org addresses that must not be mailed (from hard bounces or by hand).
+
+Addresses are compared in lower case (the table holds them so): a bounce for Bob@Example.net
+suppresses bob@example.net too. An entry may carry an expiry; an expired entry is ignored by every
+check and replaced by the next bounce or `suppress add`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import asyncpg
+
+from pigeon_mta.bounce_classify import Category, classify_reply, suppresses
+from pigeon_mta.ids import new_id, new_ids
+from pigeon_mta.model import AttemptResult, Delivery, Outcome, Reply
+from pigeon_mta.store.queue import Executor
+
+MANUAL = "manual"
+BOUNCE = "bounce"
+SUPPRESSED_RULE = "suppression-list"
+
+
+@dataclass(frozen=True)
+class Suppression:
+    id: uuid.UUID
+    org_id: uuid.UUID
+    address: str
+    reason: str
+    source: str  # "bounce" or "manual"
+    attempt_id: uuid.UUID | None
+    created_at: datetime
+    expires_at: datetime | None
+
+
+def normalise_address(address: str) -> str:
+    return address.strip().strip("<>").strip().lower()
+
+
+_COLUMNS = "id, org_id, address, reason, source, attempt_id, created_at, expires_at"
+
+
+def _entry(row: asyncpg.Record) -> Suppression:
+    return Suppression(
+        id=row["id"],
+        org_id=row["org_id"],
+        address=row["address"],
+        reason=row["reason"],
+        source=row["source"],
+        attempt_id=row["attempt_id"],
+        created_at=row["created_at"],
+        expires_at=row["expires_at"],
+    )
+
+
+# ---------------------------------------------------------------- by hand
+
+# A manual entry replaces whatever was there: the operator's word is the latest.
+_ADD = f"""
+INSERT INTO suppression (id, org_id, address, reason, source, attempt_id, expires_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7)
+ON CONFLICT (org_id, address) DO UPDATE
+SET reason = EXCLUDED.reason, source = EXCLUDED.source, attempt_id = EXCLUDED.attempt_id,
+    created_at = now(), expires_at = EXCLUDED.expires_at
+RETURNING {_COLUMNS}, (xmax = 0) AS inserted
+"""
+
+
+async def add_suppression(
+    db: Executor,
+    org_id: uuid.UUID,
+    address: str,
+    *,
+    reason: str,
+    source: str = MANUAL,
+    attempt_id: uuid.UUID | None = None,
+    expires_at: datetime | None = None,
+) -> tuple[Suppression, bool]:
+    """Suppress `address` for the org; returns the entry and whether it is new (else updated)."""
+    row = await db.fetchrow(
+        _ADD,
+        new_id(),
+        org_id,
+        normalise_address(address),
+        reason,
+        source,
+        attempt_id,
+        expires_at,
+    )
+    assert row is not None
+    return _entry(row), bool(row["inserted"])
+
+
+async def remove_suppression(db: Executor, org_id: uuid.UUID, address: str) -> bool:
+    """Take `address` off the org's list; False when it was not there."""
+    result = await db.execute(
+        "DELETE FROM suppression WHERE org_id = $1 AND address = $2",
+        org_id,
+        normalise_address(address),
+    )
+    return result.endswith(" 1")
+
+
+async def list_suppressions(
+    db: Executor,
+    org_id: uuid.UUID | None = None,
+    *,
+    include_expired: bool = False,
+    limit: int | None = None,
+) -> list[Suppression]:
+    """The org's entries (every org's with org_id None), newest first."""
+    rows = await db.fetch(
+        f"""SELECT {_COLUMNS} FROM suppression
+            WHERE ($1::uuid IS NULL OR org_id = $1)
+              AND ($2 OR expires_at IS NULL OR expires_at > now())
+            ORDER BY created_at DESC, address
+            LIMIT $3""",
+        org_id,
+        include_expired,
+        limit,
+    )
+    return [_entry(r) for r in rows]
+
+
+# ---------------------------------------------------------------- checks
+
+_ACTIVE = "(s.expires_at IS NULL OR s.expires_at > now())"
+
+
+async def suppressed_addresses(
+    db: Executor, org_id: uuid.UUID, addresses: Sequence[str]
+) -> set[str]:
+    """Which of `addresses` (returned as given) the org must not mail; one query for the batch."""
+    if not addresses:
+        return set()
+    rows = await db.fetch(
+        f"""SELECT s.address FROM suppression s
+            WHERE s.org_id = $1 AND s.address = ANY ($2::text[]) AND {_ACTIVE}""",
+        org_id,
+        sorted({normalise_address(a) for a in addresses}),
+    )
+    found = {r["address"] for r in rows}
+    return {a for a in addresses if normalise_address(a) in found}
+
+
+_CHECK_CLAIMED = f"""
+SELECT u.recipient_id, s.reason
+FROM unnest($1::uuid[], $2::uuid[], $3::text[]) AS u (recipient_id, org_id, address)
+JOIN suppression s ON s.org_id = u.org_id AND s.address = u.address
+WHERE {_ACTIVE}
+"""
+
+
+async def filter_suppressed(
+    db: Executor, deliveries: Sequence[Delivery], *, now: datetime | None = None
+) -> tuple[list[Delivery], list[AttemptResult]]:
+    """Split claimed work into what may be attempted and the `suppressed` results to record.
+
+    One query for the whole claim, whatever the orgs. A delivery left with no recipient is
+    dropped; the results go to the same record call as the attempted ones.
+    """
+    pairs = [(d, r) for d in deliveries for r in d.recipients]
+    if not pairs:
+        return list(deliveries), []
+    rows = await db.fetch(
+        _CHECK_CLAIMED,
+        [r.id for _d, r in pairs],
+        [d.org_id for d, _r in pairs],
+        [normalise_address(r.address) for _d, r in pairs],
+    )
+    reasons: dict[uuid.UUID, str] = {row["recipient_id"]: row["reason"] for row in rows}
+    if not reasons:
+        return list(deliveries), []
+    now = now or datetime.now(UTC)
+    keep: list[Delivery] = []
+    results: list[AttemptResult] = []
+    for delivery in deliveries:
+        remaining = tuple(r for r in delivery.recipients if r.id not in reasons)
+        for r in delivery.recipients:
+            if r.id in reasons:
+                results.append(
+                    AttemptResult(
+                        recipient_id=r.id,
+                        message_id=delivery.message_id,
+                        org_id=delivery.org_id,
+                        attempt=r.attempts,
+                        outcome=Outcome.SUPPRESSED,
+                        reply=Reply(
+                            0,
+                            None,
+                            f"not attempted: {r.address} is on the suppression list "
+                            f"({reasons[r.id]})",
+                        ),
+                        started_at=now,
+                        category=Category.SUPPRESSED,
+                        rule=SUPPRESSED_RULE,
+                    )
+                )
+        if remaining:
+            keep.append(dataclasses.replace(delivery, recipients=remaining))
+    return keep, results
+
+
+# ---------------------------------------------------------------- from bounces
+
+# An active manual entry stays as the operator left it; a bounce entry (or an expired one) is
+# refreshed by the newest bounce. DISTINCT ON: one batch may bounce the same address twice (two
+# messages), and one INSERT may not update a row twice.
+_FROM_BOUNCES = f"""
+WITH v AS (
+    SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int[], $4::text[])
+        AS v (id, recipient_id, attempt, reason)
+)
+INSERT INTO suppression AS s (id, org_id, address, reason, source, attempt_id, expires_at)
+SELECT DISTINCT ON (r.org_id, lower(r.address))
+       v.id, r.org_id, lower(r.address), v.reason, '{BOUNCE}',
+       (SELECT a.id FROM attempt a
+        WHERE a.recipient_id = v.recipient_id AND a.attempt = v.attempt
+          AND a.outcome = 'bounced' AND a.applied
+        ORDER BY a.recorded_at DESC LIMIT 1),
+       CASE WHEN $5 > 0 THEN now() + make_interval(secs => $5) END
+FROM v JOIN recipient r ON r.id = v.recipient_id
+ORDER BY r.org_id, lower(r.address), v.id DESC
+ON CONFLICT (org_id, address) DO UPDATE
+SET reason = EXCLUDED.reason, source = EXCLUDED.source, attempt_id = EXCLUDED.attempt_id,
+    created_at = now(), expires_at = EXCLUDED.expires_at
+WHERE s.source = '{BOUNCE}' OR NOT {_ACTIVE}
+"""
+
+
+async def suppress_from_bounces(
+    db: Executor,
+    results: Sequence[AttemptResult],
+    applied: set[uuid.UUID],
+    *,
+    suppress_for: float = 0,
+) -> int:
+    """Suppress the addresses of recorded hard bounces for an invalid recipient or a bad domain.
+
+    Call it in the transaction that recorded `results` (`applied` is what record_attempts
+    returned): the entry points at the attempt that caused it. `suppress_for` > 0 makes entries
+    expire after that many seconds. Returns how many entries were written.
+    """
+    chosen: list[tuple[AttemptResult, str]] = []
+    for result in results:
+        if result.outcome != Outcome.BOUNCED or result.recipient_id not in applied:
+            continue
+        category = result.category or classify_reply(result.reply).category
+        if suppresses(category):
+            chosen.append((result, f"{category}: {result.reply}"))
+    if not chosen:
+        return 0
+    rows = await db.execute(
+        _FROM_BOUNCES,
+        new_ids(len(chosen)),
+        [r.recipient_id for r, _ in chosen],
+        [r.attempt for r, _ in chosen],
+        [reason for _, reason in chosen],
+        float(suppress_for),
+    )
+    return int(rows.rsplit(" ", 1)[-1])

@@ -1,0 +1,192 @@
+"""`pigeon-mta queue …`: summary, list, show, and bulk actions that touch what their dry run counted."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import asyncpg
+
+from pigeon_mta.store.orgs import ensure_org
+from tests.conftest import run_pigeon
+from tests.integration.queue_helpers import bulk_queue
+
+HOUR = 3600
+
+
+def pigeon(db_url: str, *args: str) -> Any:
+    result = run_pigeon(*args, "--json", env={"PIGEON_DATABASE_URL": db_url})
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+async def deferred(
+    pool: asyncpg.Pool, org_id: uuid.UUID, *, messages: int, domain: str, age: float
+) -> None:
+    """Recipients that were tried and are waiting for their next attempt, an hour from now."""
+    await bulk_queue(pool, org_id, messages=messages, domain=domain, age=age, due_in=HOUR)
+    await pool.execute(
+        """UPDATE recipient SET attempts = 2, last_code = 451, last_enhanced_code = '4.7.1',
+                  last_response = 'try again later (' || domain || ')'
+           WHERE attempts = 0 AND status = 'queued'"""
+    )
+
+
+async def fill(pool: asyncpg.Pool, acme: uuid.UUID) -> uuid.UUID:
+    other = await ensure_org(pool, "other")
+    await deferred(pool, acme, messages=30, domain="example.net", age=2 * HOUR)
+    await deferred(pool, acme, messages=10, domain="example.net", age=60)
+    await deferred(pool, acme, messages=20, domain="other.example", age=2 * HOUR)
+    await deferred(pool, other, messages=15, domain="example.net", age=2 * HOUR)
+    for status, count in (("bounced", 5), ("expired", 4), ("delivering", 3), ("delivered", 50)):
+        await bulk_queue(
+            pool, acme, messages=count, domain="example.net", age=2 * HOUR, status=status
+        )
+    await pool.execute("UPDATE recipient SET attempts = 1 WHERE status <> 'queued'")
+    await bulk_queue(pool, acme, messages=7, domain="fresh.example")  # never tried yet
+    return other
+
+
+async def snapshot(pool: asyncpg.Pool) -> dict[uuid.UUID, tuple[Any, ...]]:
+    rows = await pool.fetch("SELECT id, status, next_attempt_at, created_at FROM recipient")
+    return {r["id"]: (r["status"], r["next_attempt_at"], r["created_at"]) for r in rows}
+
+
+def changed(before: dict[uuid.UUID, Any], after: dict[uuid.UUID, Any]) -> set[uuid.UUID]:
+    return {k for k in before if before[k] != after[k]}
+
+
+async def test_retry_by_filter_touches_exactly_what_the_dry_run_counted(
+    db_url: str, pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    await fill(pool, org_id)
+    flt = ["--domain", "example.net", "--org", "acme", "--older-than", "1h"]
+    dry = pigeon(db_url, "queue", "retry", *flt, "--dry-run")
+    assert dry == {"action": "retry", "dry_run": True, "count": 30, "delivering_left_alone": 3}
+    before = await snapshot(pool)
+    assert changed(before, await snapshot(pool)) == set()  # the dry run changed nothing
+
+    done = pigeon(db_url, "queue", "retry", *flt)
+    after = await snapshot(pool)
+    touched = changed(before, after)
+    assert done["count"] == dry["count"] == len(touched)
+    expected = {
+        r["id"]
+        for r in await pool.fetch(
+            """SELECT r.id FROM recipient r JOIN org o ON o.id = r.org_id
+               WHERE o.name = 'acme' AND r.domain = 'example.net' AND r.attempts = 2
+                 AND r.created_at < now() - interval '1 hour'"""
+        )
+    }
+    assert touched == expected
+    assert {after[i][0] for i in touched} == {"queued"}
+    due = await pool.fetchval(
+        "SELECT count(*) FROM recipient WHERE id = ANY($1) AND next_attempt_at <= now()",
+        list(touched),
+    )
+    assert due == 30
+
+    # Bounced and expired are retried only when asked for, and get a fresh max_age.
+    dry = pigeon(
+        db_url, "queue", "retry", "--status", "bounced", "--status", "expired", "--dry-run"
+    )
+    before = await snapshot(pool)
+    done = pigeon(db_url, "queue", "retry", "--status", "bounced", "--status", "expired")
+    touched = changed(before, await snapshot(pool))
+    assert dry["count"] == done["count"] == len(touched) == 9
+    fresh = await pool.fetchval(
+        """SELECT count(*) FROM recipient WHERE id = ANY($1) AND status = 'queued'
+             AND created_at > now() - interval '1 minute'""",
+        list(touched),
+    )
+    assert fresh == 9
+
+
+async def test_cancel_by_filter_touches_exactly_what_the_dry_run_counted(
+    db_url: str, pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    await fill(pool, org_id)
+    dry = pigeon(db_url, "queue", "cancel", "--domain", "example.net", "--dry-run")
+    # Waiting at example.net in both orgs: 30 + 10 + 15; the 3 being delivered are left alone.
+    assert (dry["count"], dry["delivering_left_alone"]) == (55, 3)
+    before = await snapshot(pool)
+    done = pigeon(db_url, "queue", "cancel", "--domain", "example.net")
+    after = await snapshot(pool)
+    touched = changed(before, after)
+    assert done["count"] == dry["count"] == len(touched)
+    assert {after[i][0] for i in touched} == {"cancelled"}
+    assert {before[i][0] for i in touched} == {"queued"}
+
+    # Scoped to an org, by id: only that org's rows, whatever ids are named.
+    other_ids = [
+        r["message_id"]
+        for r in await pool.fetch(
+            "SELECT message_id FROM recipient WHERE domain = 'other.example' LIMIT 3"
+        )
+    ]
+    dry = pigeon(db_url, "queue", "cancel", *map(str, other_ids), "--org", "other", "--dry-run")
+    assert dry["count"] == 0
+    done = pigeon(db_url, "queue", "cancel", *map(str, other_ids), "--org", "acme")
+    assert done["count"] == 3
+
+
+async def test_bulk_actions_want_a_target_and_valid_input(
+    db_url: str, pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    env = {"PIGEON_DATABASE_URL": db_url}
+    for args, words in (
+        (["queue", "retry"], "say which recipients"),
+        (["queue", "cancel", "--org", "nope"], "no org named 'nope'"),
+        (["queue", "retry", "not-an-id"], "not a queue id"),
+        (["queue", "retry", "--older-than", "ages"], "--older-than"),
+        (["queue", "show", str(uuid.uuid4())], "no message or recipient"),
+    ):
+        result = run_pigeon(*args, env=env)
+        assert result.returncode == 1 and words in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+    text = run_pigeon("queue", "cancel", "--all", "--dry-run", env=env)
+    assert text.returncode == 0 and "would cancel 0 recipient(s)" in text.stdout
+
+
+async def test_summary_list_and_show(db_url: str, pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
+    await fill(pool, org_id)
+    summary = pigeon(db_url, "queue")
+    assert summary["counts"]["queued"] == 30 + 10 + 20 + 15 + 7
+    assert summary["counts"]["delivering"] == 3
+    assert summary["counts"]["delivered"] == 50 and summary["counts"]["bounced"] == 5
+    assert summary["estimated"] == []  # a small table is counted exactly
+    assert (summary["deferred"], summary["due"]) == (75, 7)
+    top = summary["top_deferred_destinations"]
+    assert [(d["domain"], d["deferred"]) for d in top] == [
+        ("example.net", 55),
+        ("other.example", 20),
+    ]
+    assert top[1]["latest_reply"] == "451 4.7.1 try again later (other.example)"
+
+    table = run_pigeon("queue", env={"PIGEON_DATABASE_URL": db_url})
+    assert table.returncode == 0, table.stderr
+    assert "other.example" in table.stdout and "oldest due recipient has waited" in table.stdout
+
+    listed = pigeon(db_url, "queue", "list", "--status", "deferred", "--domain", "other.example")
+    assert len(listed) == 20 and {r["status"] for r in listed} == {"queued"}
+    assert pigeon(db_url, "queue", "list", "--org", "other", "--limit", "5").__len__() == 5
+    assert len(pigeon(db_url, "queue", "list", "--status", "delivered")) == 50
+    assert len(pigeon(db_url, "queue", "list")) == 85  # the live queue: queued + delivering
+
+    rid = listed[0]["id"]
+    await pool.execute(
+        """INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at,
+                                outcome, code, enhanced_code, response, category)
+           SELECT gen_random_uuid(), id, message_id, org_id, 1, now(), 'deferred', 451, '4.7.1',
+                  'later', 'greylisted' FROM recipient WHERE id = $1""",
+        uuid.UUID(rid),
+    )
+    by_recipient = pigeon(db_url, "queue", "show", rid)
+    assert [r["id"] for r in by_recipient["recipients"]] == [rid]
+    assert [a["category"] for a in by_recipient["attempts"]] == ["greylisted"]
+    by_message = pigeon(db_url, "queue", "show", listed[0]["queue_id"])
+    assert by_message["queue_id"] == listed[0]["queue_id"]
+    assert by_message["sender"] == "sender@example.com" and by_message["org"] == "acme"
+    text = run_pigeon("queue", "show", rid, env={"PIGEON_DATABASE_URL": db_url})
+    assert text.returncode == 0 and "greylisted" in text.stdout

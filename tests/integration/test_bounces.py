@@ -1,0 +1,336 @@
+"""DSNs and suppression through the real store: recorded in the same transaction, read back as mail."""
+
+from __future__ import annotations
+
+import email
+import email.message
+import email.policy
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+import pytest
+
+from pigeon_mta.bounce import DSN_LISTENER
+from pigeon_mta.bounce_classify import classify_reply
+from pigeon_mta.model import AttemptResult, Delivery, Envelope, Outcome, Reply
+from pigeon_mta.store import bounces, queue, suppression
+from tests.integration.queue_helpers import bulk_queue
+
+HOST = "mta.example.org"
+OWNER = "node-a"
+BODY = b"From: alice@example.com\r\nSubject: hello\r\nMessage-ID: <m1@example.com>\r\n\r\nhi\r\n"
+
+
+async def send(
+    pool: asyncpg.Pool, org_id: uuid.UUID, *recipients: str, sender: str = "alice@example.com"
+) -> uuid.UUID:
+    return await queue.enqueue(
+        pool,
+        Envelope(
+            org_id=org_id,
+            sender=sender,
+            recipients=recipients,
+            body=BODY,
+            listener="relay",
+            message_id="m1@example.com",
+        ),
+    )
+
+
+async def claim_all(pool: asyncpg.Pool) -> list[Delivery]:
+    return await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=1000)
+
+
+def result(
+    delivery: Delivery, address: str, outcome: Outcome, reply: Reply, *, attempt: int | None = None
+) -> AttemptResult:
+    (r,) = [r for r in delivery.recipients if r.address == address]
+    category, rule = classify_reply(reply)
+    return AttemptResult(
+        recipient_id=r.id,
+        message_id=delivery.message_id,
+        org_id=delivery.org_id,
+        attempt=r.attempts if attempt is None else attempt,
+        outcome=outcome,
+        reply=reply,
+        started_at=datetime.now(UTC),
+        mx_host="mx.example.net",
+        ip="192.0.2.25",
+        port=25,
+        category=category,
+        rule=rule,
+    )
+
+
+async def queued_dsns(pool: asyncpg.Pool) -> list[asyncpg.Record]:
+    return await pool.fetch(
+        """SELECT m.id, m.sender, m.body, m.org_id, array_agg(r.address) AS rcpts
+           FROM message m JOIN recipient r ON r.message_id = m.id
+           WHERE m.sender = '' AND m.listener = $1 GROUP BY m.id ORDER BY m.received_at""",
+        DSN_LISTENER,
+    )
+
+
+def delivery_status(body: bytes) -> list[email.message.Message]:
+    msg = email.message_from_bytes(body, policy=email.policy.default)
+    assert msg.get_content_type() == "multipart/report"
+    (part,) = [p for p in msg.walk() if p.get_content_type() == "message/delivery-status"]
+    blocks = part.get_payload()
+    assert isinstance(blocks, list)
+    return blocks
+
+
+UNKNOWN = Reply(550, "5.1.1", "<bob@example.net>: Recipient address rejected: User unknown")
+NO_DOMAIN = Reply(0, "5.1.10", "nowhere.example publishes a null MX")
+
+
+async def test_two_permanent_failures_of_three_recipients_make_one_bounce_naming_both(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    qid = await send(pool, org_id, "bob@example.net", "carol@example.net", "dave@nowhere.example")
+    deliveries = await claim_all(pool)
+    by_domain = {d.domain: d for d in deliveries}
+    net, nowhere = by_domain["example.net"], by_domain["nowhere.example"]
+    results = [
+        result(net, "bob@example.net", Outcome.BOUNCED, UNKNOWN),
+        result(net, "carol@example.net", Outcome.DELIVERED, Reply(250, "2.0.0", "ok")),
+        result(nowhere, "dave@nowhere.example", Outcome.BOUNCED, NO_DOMAIN),
+    ]
+    recorded = await bounces.record_attempts_and_bounce(pool, results, hostname=HOST)
+
+    assert len(recorded.applied) == 3 and len(recorded.bounces) == 1
+    (dsn,) = await queued_dsns(pool)
+    assert dsn["id"] == recorded.bounces[0]
+    assert dsn["rcpts"] == ["alice@example.com"] and dsn["org_id"] == org_id
+    per_message, *failed = delivery_status(bytes(dsn["body"]))
+    assert per_message["X-Pigeon-Queue-ID"] == str(qid)
+    assert [(b["Final-Recipient"], b["Status"], b["Action"]) for b in failed] == [
+        ("rfc822; bob@example.net", "5.1.1", "failed"),
+        ("rfc822; dave@nowhere.example", "5.1.10", "failed"),
+    ]
+    assert failed[0]["Diagnostic-Code"] == f"smtp; {UNKNOWN}"
+    assert failed[0]["Remote-MTA"] == "dns; mx.example.net"
+    # The DSN is ordinary queued mail: due now, from the null sender.
+    rows = await queue.recipients_of_message(pool, dsn["id"])
+    assert [(r.address, r.status) for r in rows] == [("alice@example.com", "queued")]
+
+    # Both hard bounces are suppressed, each pointing at the attempt that caused it.
+    entries = {e.address: e for e in await suppression.list_suppressions(pool, org_id)}
+    assert set(entries) == {"bob@example.net", "dave@nowhere.example"}
+    assert recorded.suppressed == 2
+    bob = entries["bob@example.net"]
+    assert bob.source == "bounce" and bob.reason.startswith("invalid-recipient: 550 5.1.1")
+    attempt = await pool.fetchrow(
+        "SELECT recipient_id, category FROM attempt WHERE id = $1", bob.attempt_id
+    )
+    assert attempt["recipient_id"] == results[0].recipient_id
+    assert attempt["category"] == "invalid-recipient"
+
+
+async def test_null_sender_mail_is_never_bounced(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
+    await send(pool, org_id, "bob@example.net", sender="")
+    (delivery,) = await claim_all(pool)
+    recorded = await bounces.record_attempts_and_bounce(
+        pool, [result(delivery, "bob@example.net", Outcome.BOUNCED, UNKNOWN)], hostname=HOST
+    )
+    assert recorded.bounces == []
+    assert await pool.fetchval("SELECT count(*) FROM message") == 1
+
+
+async def test_a_bounce_that_bounces_ends_there(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
+    await send(pool, org_id, "bob@example.net")
+    (delivery,) = await claim_all(pool)
+    await bounces.record_attempts_and_bounce(
+        pool, [result(delivery, "bob@example.net", Outcome.BOUNCED, UNKNOWN)], hostname=HOST
+    )
+    # The DSN to alice fails permanently too: nothing more is queued, no loop.
+    (dsn_delivery,) = await claim_all(pool)
+    assert dsn_delivery.sender == ""
+    recorded = await bounces.record_attempts_and_bounce(
+        pool,
+        [result(dsn_delivery, "alice@example.com", Outcome.BOUNCED, UNKNOWN)],
+        hostname=HOST,
+    )
+    assert recorded.bounces == []
+    assert await pool.fetchval("SELECT count(*) FROM message") == 2
+
+
+async def test_a_stale_claim_reports_nothing(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
+    await send(pool, org_id, "bob@example.net")
+    (delivery,) = await claim_all(pool)
+    stale = result(delivery, "bob@example.net", Outcome.BOUNCED, UNKNOWN, attempt=99)
+    recorded = await bounces.record_attempts_and_bounce(pool, [stale], hostname=HOST)
+    assert recorded.applied == set() and recorded.bounces == [] and recorded.suppressed == 0
+    assert await queued_dsns(pool) == []
+
+
+async def test_soft_categories_bounce_but_do_not_suppress(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    await send(pool, org_id, "bob@example.net")
+    (delivery,) = await claim_all(pool)
+    full = Reply(552, "5.2.2", "mailbox full")
+    recorded = await bounces.record_attempts_and_bounce(
+        pool, [result(delivery, "bob@example.net", Outcome.BOUNCED, full)], hostname=HOST
+    )
+    assert len(recorded.bounces) == 1 and recorded.suppressed == 0
+    assert await suppression.list_suppressions(pool, org_id) == []
+
+
+async def test_a_manual_entry_is_not_overwritten_by_a_bounce(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    await suppression.add_suppression(pool, org_id, "bob@example.net", reason="asked us to stop")
+    await suppression.add_suppression(
+        pool,
+        org_id,
+        "carol@example.net",
+        reason="old",
+        expires_at=datetime.now(UTC) - timedelta(days=1),
+    )
+    # Suppression is checked before attempting; here the engine is bypassed on purpose to see
+    # what a bounce does to existing entries.
+    await send(pool, org_id, "bob@example.net", "carol@example.net")
+    (delivery,) = await claim_all(pool)
+    await bounces.record_attempts_and_bounce(
+        pool,
+        [
+            result(delivery, "bob@example.net", Outcome.BOUNCED, UNKNOWN),
+            result(delivery, "carol@example.net", Outcome.BOUNCED, UNKNOWN),
+        ],
+        hostname=HOST,
+        suppress_for=3600,
+    )
+    entries = {e.address: e for e in await suppression.list_suppressions(pool, org_id)}
+    assert (entries["bob@example.net"].source, entries["bob@example.net"].reason) == (
+        "manual",
+        "asked us to stop",
+    )
+    carol = entries["carol@example.net"]
+    assert carol.source == "bounce" and carol.expires_at is not None
+    assert carol.expires_at > datetime.now(UTC) + timedelta(minutes=50)
+
+
+async def test_expiry_queues_a_4_4_7_bounce_in_the_same_transaction(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    six_days = 6 * 86400
+    await bulk_queue(pool, org_id, messages=2, recipients_per_message=3, age=six_days, due_in=-60)
+    await bulk_queue(pool, org_id, messages=1, recipients_per_message=2, age=six_days, due_in=-60)
+    await bulk_queue(pool, org_id, messages=3, age=60, due_in=-60)  # young: stays
+    # The third old message is itself a DSN: its recipients expire without a bounce.
+    await pool.execute(
+        """UPDATE message SET sender = '' WHERE id = (
+               SELECT message_id FROM recipient GROUP BY message_id HAVING count(*) = 2)"""
+    )
+    await pool.execute(
+        """UPDATE recipient SET attempts = 4, last_code = 451, last_enhanced_code = '4.7.1',
+                  last_response = 'greylisted, come back later'
+           WHERE created_at < now() - interval '1 day'"""
+    )
+
+    expired = await bounces.expire_and_bounce(
+        pool, max_age=5 * 86400, max_age_text="5d", hostname=HOST
+    )
+
+    assert len(expired.recipients) == 8 and len(expired.bounces) == 2
+    dsns = await queued_dsns(pool)
+    assert sorted(d["id"] for d in dsns) == sorted(expired.bounces)
+    for dsn in dsns:
+        assert dsn["rcpts"] == ["sender@example.com"]
+        _, *failed = delivery_status(bytes(dsn["body"]))
+        assert len(failed) == 3
+        for block in failed:
+            assert (block["Action"], block["Status"]) == ("failed", "4.4.7")
+            assert block["Diagnostic-Code"] == "smtp; 451 4.7.1 greylisted, come back later"
+    assert await pool.fetchval("SELECT count(*) FROM recipient WHERE status = 'expired'") == 8
+    again = await bounces.expire_and_bounce(
+        pool, max_age=5 * 86400, max_age_text="5d", hostname=HOST
+    )
+    assert again.recipients == [] and again.bounces == []
+
+
+async def test_expiry_is_undone_when_its_bounce_cannot_be_queued(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    await bulk_queue(pool, org_id, messages=1, recipients_per_message=2, age=6 * 86400)
+    await pool.execute(
+        """CREATE FUNCTION refuse_dsn() RETURNS trigger LANGUAGE plpgsql AS $$
+           BEGIN IF NEW.sender = '' THEN RAISE EXCEPTION 'disk full'; END IF; RETURN NEW; END $$;
+           CREATE TRIGGER refuse_dsn BEFORE INSERT ON message
+           FOR EACH ROW EXECUTE FUNCTION refuse_dsn();"""
+    )
+    with pytest.raises(asyncpg.RaiseError):
+        await bounces.expire_and_bounce(pool, max_age=5 * 86400, max_age_text="5d", hostname=HOST)
+    # Nothing is lost: the recipients are still queued and will expire (with a DSN) next time.
+    assert await pool.fetchval("SELECT count(*) FROM recipient WHERE status = 'queued'") == 2
+    assert await pool.fetchval("SELECT count(*) FROM attempt") == 0
+
+
+async def test_suppressed_recipients_are_not_attempted(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    from pigeon_mta.store.orgs import ensure_org
+
+    other_org = await ensure_org(pool, "other")
+    await suppression.add_suppression(pool, org_id, "Bob@Example.NET", reason="by hand")
+    await suppression.add_suppression(pool, other_org, "carol@example.net", reason="other org")
+    await send(pool, org_id, "BOB@example.net", "carol@example.net")
+    await send(pool, org_id, "bob@example.net")
+
+    keep, results = await suppression.filter_suppressed(pool, await claim_all(pool))
+
+    assert [[r.address for r in d.recipients] for d in keep] == [["carol@example.net"]]
+    assert sorted(r.outcome for r in results) == ["suppressed", "suppressed"]
+    assert all(r.category == "suppressed" and "suppression list" in r.reply.text for r in results)
+    recorded = await bounces.record_attempts_and_bounce(pool, results, hostname=HOST)
+    assert len(recorded.applied) == 2 and recorded.bounces == []
+    statuses = await pool.fetch("SELECT address, status FROM recipient ORDER BY address")
+    assert [(r["address"], r["status"]) for r in statuses] == [
+        ("BOB@example.net", "suppressed"),
+        ("bob@example.net", "suppressed"),
+        ("carol@example.net", "delivering"),
+    ]
+
+
+async def test_batch_check_is_case_insensitive_and_ignores_expired_entries(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    await suppression.add_suppression(pool, org_id, "bob@example.net", reason="x")
+    await suppression.add_suppression(
+        pool, org_id, "old@example.net", reason="x", expires_at=datetime.now(UTC) - timedelta(1)
+    )
+    await suppression.add_suppression(
+        pool, org_id, "new@example.net", reason="x", expires_at=datetime.now(UTC) + timedelta(1)
+    )
+    found = await suppression.suppressed_addresses(
+        pool, org_id, ["BOB@example.net", "old@example.net", "new@example.net", "eve@example.net"]
+    )
+    assert found == {"BOB@example.net", "new@example.net"}
+    assert await suppression.suppressed_addresses(pool, org_id, []) == set()
+    listed = await suppression.list_suppressions(pool, org_id)
+    assert {e.address for e in listed} == {"bob@example.net", "new@example.net"}
+    everything = await suppression.list_suppressions(pool, org_id, include_expired=True)
+    assert len(everything) == 3
+    assert await suppression.remove_suppression(pool, org_id, "Bob@Example.net")
+    assert not await suppression.remove_suppression(pool, org_id, "bob@example.net")
+
+
+def test_messages_needing_bounces_groups_applied_failures_per_message() -> None:
+    m1, m2, org = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    now = datetime.now(UTC)
+
+    def r(message: uuid.UUID, outcome: Outcome) -> AttemptResult:
+        return AttemptResult(uuid.uuid4(), message, org, 1, outcome, UNKNOWN, now)
+
+    results = [
+        r(m1, Outcome.BOUNCED),
+        r(m1, Outcome.DELIVERED),
+        r(m1, Outcome.EXPIRED),
+        r(m2, Outcome.BOUNCED),
+        r(m2, Outcome.SUPPRESSED),
+    ]
+    applied = {x.recipient_id for x in results} - {results[3].recipient_id}
+    grouped = bounces.messages_needing_bounces(results, applied)
+    assert grouped == {m1: [results[0].recipient_id, results[2].recipient_id]}
