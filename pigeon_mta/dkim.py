@@ -283,9 +283,12 @@ def sign(message: bytes, keys: Sequence[SigningKey], *, timestamp: int) -> bytes
             (b"bh", body_hash),
             (b"b", b"0" * 60),
         ]
-        value = signer.gen_header(
-            tags, include, policy, b"DKIM-Signature", _DigestSigner(key.private_key)
-        )
+        try:
+            value = signer.gen_header(
+                tags, include, policy, b"DKIM-Signature", _DigestSigner(key.private_key)
+            )
+        except dkimpy.DKIMException as exc:
+            raise SigningError(str(exc)) from None
         fields.append(b"DKIM-Signature: " + value)
     return b"".join(fields)
 
@@ -357,4 +360,10 @@ def from_domain(message: bytes) -> str | None:
     if len(domains) != 1:
         return None
     domain = domains.pop()
-    return domain or None
+    if not domain or not domain.isprintable() or " " in domain:
+        return None
+    try:
+        domain.encode("utf-8")  # raw 8-bit that is not UTF-8 stays as surrogates: no domain
+    except UnicodeEncodeError:
+        return None
+    return domain

@@ -120,7 +120,7 @@ class DkimSigner:
         if pending is None:
             pending = asyncio.ensure_future(self._fetch(org_id, domain))
             self._lookups[cache_key] = pending
-            pending.add_done_callback(lambda _f: self._lookups.pop(cache_key, None))
+            pending.add_done_callback(lambda done: self._lookup_done(cache_key, done))
         try:
             return await asyncio.shield(pending)
         except Exception as exc:
@@ -131,8 +131,18 @@ class DkimSigner:
                 return cached.keys
             raise KeysUnavailable(f"cannot read the DKIM keys for {domain}: {exc}") from exc
 
+    def _lookup_done(
+        self, cache_key: tuple[uuid.UUID, str], done: asyncio.Future[tuple[dkim.SigningKey, ...]]
+    ) -> None:
+        self._lookups.pop(cache_key, None)
+        if not done.cancelled():
+            done.exception()  # the waiters have it; don't let asyncio log it again
+
     async def _fetch(self, org_id: uuid.UUID, domain: str) -> tuple[dkim.SigningKey, ...]:
-        names = sorted({domain, dkim.ascii_domain(domain)})
+        try:
+            names = sorted({domain, dkim.ascii_domain(domain)})
+        except UnicodeError:  # not a valid IDN: no sender domain can be spelled like it
+            names = [domain]
         rows = await store_dkim_keys.active_signing_keys(self._db, org_id, names)
         keys = tuple(key for key in map(self._load, rows) if key is not None)
         if len(self._cache) >= self.MAX_CACHED:

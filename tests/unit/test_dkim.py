@@ -159,6 +159,8 @@ def test_header_list_signs_present_fields_and_oversigns_from() -> None:
         (b"From: a@one.example\r\nFrom: b@one.example\r\n\r\nx", None),
         (b"To: b@example.net\r\n\r\nFrom: not-a-header@example.com\r\n", None),
         (b"From: undisclosed\r\n\r\nx", None),
+        (b"From: a@b\xff.example\r\n\r\nx", None),
+        ("From: a@bücher.example\r\n\r\nx".encode(), "bücher.example"),
     ],
 )
 def test_from_domain(message: bytes, domain: str | None) -> None:
