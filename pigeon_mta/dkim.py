@@ -1,9 +1,12 @@
 """DKIM keys and signing: key generation, DNS TXT records, key loading, and a pure `sign()`.
 
-Signing keeps dkimpy for everything a DKIM signer must get exactly right — parsing the message,
-relaxed canonicalization, the body hash, the tag list, the header hash and the folding of the
-DKIM-Signature field — and does only the public-key step with `cryptography` (OpenSSL). dkimpy's
-own RSA is pure Python (about 150 RSA-2048 signatures/s); OpenSSL's is ten times faster.
+Signing keeps dkimpy for what a DKIM signer must get exactly right — parsing the header section,
+relaxed header canonicalization, selecting the signed fields, hashing them with the signature
+field, and folding the DKIM-Signature field — and does the public-key step with `cryptography`
+(OpenSSL): dkimpy's own RSA is pure Python (about 100-150 RSA-2048 signatures/s here), OpenSSL's
+about ten times faster. The relaxed body canonicalization is ours (`relaxed_body`), because
+dkimpy's costs about 0.27 ms on a 5 KB text body, a third of an RSA signature; a hypothesis test
+holds it equal to dkimpy's.
 
 The seam: dkimpy's `DomainSigner.gen_header()` builds and hashes the header, then signs the digest
 by one of two routes, chosen by the instance's `signature_algorithm`: its pure-Python RSA, or
@@ -298,8 +301,7 @@ def _split_message(message: bytes) -> tuple[list[list[bytes]], bytes]:
     lines unless it has bare LFs (dkimpy's parser rejoins every line with CRLF)."""
     end = _HEADER_END.search(message)
     if end is None or message.startswith((b"\n", b"\r\n")):
-        parsed = _parse_with_dkimpy(message)
-        return parsed
+        return _parse_with_dkimpy(message)
     headers, _no_body = _parse_with_dkimpy(message[: end.start()])
     body = message[end.end() :]
     if body.count(b"\n") != body.count(b"\r\n"):
@@ -318,10 +320,9 @@ def _parse_with_dkimpy(data: bytes) -> tuple[list[list[bytes]], bytes]:
 def relaxed_body(body: bytes) -> bytes:
     """The relaxed body canonicalization (RFC 6376 3.4.4), equal to dkimpy's.
 
-    dkimpy's version runs a regular expression over every blank of the body, which costs more
-    than the RSA signature on a 5 KB text body; this one only touches what needs changing and
-    ends with dkimpy's own trailing-line handling. tests/unit/test_dkim.py checks the two agree
-    (hypothesis).
+    dkimpy's version runs two regular expressions over every blank of the body (0.27 ms on a 5 KB
+    text body); this one touches only what needs changing (0.02 ms) and ends with dkimpy's own
+    trailing-line handling. tests/unit/test_dkim.py checks the two agree (hypothesis).
     """
     if b" \r\n" in body or b"\t\r\n" in body:
         body = _TRAILING_BLANKS.sub(b"\r\n", body)

@@ -108,6 +108,15 @@ async def test_messages_without_a_usable_from_go_unsigned(
     assert await signer(delivery(domain.org_id, body)) == body
 
 
+async def test_a_damaged_stored_key_is_skipped(pool: asyncpg.Pool, signer: DkimSigner) -> None:
+    domain = await add_sender_domain(pool, "acme", "example.com")
+    damaged, _record = await add_key(pool, domain, "r1", "rsa")
+    await pool.execute("UPDATE dkim_key SET private_key = 'not a key' WHERE id = $1", damaged.id)
+    assert await signer(delivery(domain.org_id, MESSAGE)) == MESSAGE
+    await add_key(pool, domain, "e1", "ed25519")
+    assert _selectors(await signer(delivery(domain.org_id, MESSAGE))) == ["e1"]
+
+
 async def test_rotation_signs_queued_mail_with_the_key_active_at_send_time(
     pool: asyncpg.Pool, signer: DkimSigner
 ) -> None:
