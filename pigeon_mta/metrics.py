@@ -72,3 +72,8 @@ OUTBOUND_CONNECTION_REUSES = Counter(
     "pigeon_outbound_connection_reuses", "Outbound transactions that reused an open connection"
 )
 DKIM_SIGNATURES = Counter("pigeon_dkim_signatures", "DKIM signatures made", ["algorithm"])
+DKIM_UNSIGNED = Counter(
+    "pigeon_dkim_unsigned",
+    "Messages sent without a DKIM signature (no_key, no_from_domain, malformed)",
+    ["reason"],
+)

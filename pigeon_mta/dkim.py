@@ -1,0 +1,370 @@
+"""DKIM keys and signing: key generation, DNS TXT records, key loading, and a pure `sign()`.
+
+Signing keeps dkimpy for what a DKIM signer must get exactly right — parsing the header section,
+relaxed header canonicalization, selecting the signed fields, hashing them with the signature
+field, and folding the DKIM-Signature field — and does the public-key step with `cryptography`
+(OpenSSL): dkimpy's own RSA is pure Python (about 100-150 RSA-2048 signatures/s here), OpenSSL's
+about ten times faster. The relaxed body canonicalization is ours (`relaxed_body`), because
+dkimpy's costs about 0.27 ms on a 5 KB text body, a third of an RSA signature; a hypothesis test
+holds it equal to dkimpy's.
+
+The seam: dkimpy's `DomainSigner.gen_header()` builds and hashes the header, then signs the digest
+by one of two routes, chosen by the instance's `signature_algorithm`: its pure-Python RSA, or
+`key.sign(digest).signature` (the route it uses for Ed25519 with a PyNaCl key). We always take the
+second route, on our own instance, and hand it a key object that signs the SHA-256 digest with
+`cryptography`: RSASSA-PKCS1-v1_5 for RSA (RFC 6376 3.3.1), PureEdDSA over the digest for Ed25519
+(RFC 8463 3). The `a=` tag comes from our tag list, so the route does not leak into the header.
+Nothing global is patched. tests/unit/test_dkim.py checks that the result is byte-identical to
+stock dkimpy's for the same key, message and time, so a dkimpy upgrade that moved the seam fails
+the tests instead of the signatures.
+"""
+
+from __future__ import annotations
+
+import base64
+import email.utils
+import hashlib
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import dkim as dkimpy
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519, padding, rsa, utils
+from dkim.canonicalization import (
+    CanonicalizationPolicy,
+    correct_empty_body,
+    strip_trailing_lines,
+)
+
+Algorithm = Literal["rsa", "ed25519"]
+ALGORITHMS: tuple[Algorithm, ...] = ("rsa", "ed25519")
+
+# RFC 8301 3.2: verifiers must accept 1024-4096; 1024 is weak, hence the 2048 default.
+RSA_BITS_MIN = 1024
+RSA_BITS_MAX = 4096
+RSA_BITS_DEFAULT = 2048
+
+# The `a=` tag for each key algorithm (RFC 6376 3.5, RFC 8463 3).
+SIGNATURE_ALGORITHM: dict[Algorithm, bytes] = {
+    "rsa": b"rsa-sha256",
+    "ed25519": b"ed25519-sha256",
+}
+
+# Header fields signed when present (each instance, in message order). RFC 6376 5.4.1's list plus
+# List-Unsubscribe-Post, which RFC 8058 3.1 requires to be signed for one-click unsubscribe.
+SIGNED_HEADERS = frozenset(
+    {
+        b"from",
+        b"sender",
+        b"reply-to",
+        b"subject",
+        b"date",
+        b"message-id",
+        b"to",
+        b"cc",
+        b"mime-version",
+        b"content-type",
+        b"content-transfer-encoding",
+        b"content-id",
+        b"content-description",
+        b"resent-date",
+        b"resent-from",
+        b"resent-sender",
+        b"resent-to",
+        b"resent-cc",
+        b"resent-message-id",
+        b"in-reply-to",
+        b"references",
+        b"list-id",
+        b"list-help",
+        b"list-unsubscribe",
+        b"list-unsubscribe-post",
+        b"list-subscribe",
+        b"list-post",
+        b"list-owner",
+        b"list-archive",
+    }
+)
+# Signed once more than they occur ("oversigned"), so that nobody can add another instance
+# without breaking the signature (RFC 6376 8.15): a second From would change what users see.
+OVERSIGNED_HEADERS = frozenset({b"from"})
+
+_CANONICALIZATION = b"relaxed/relaxed"
+_HEADER_END = re.compile(rb"\r?\n\r?\n")
+_LINE_END = re.compile(rb"\r?\n")
+_TRAILING_BLANKS = re.compile(rb"[\t ]+\r\n")
+_SPACE_RUN = re.compile(rb"  +")
+_TXT_STRING_MAX = 255  # RFC 1035 3.3: a TXT record is a sequence of strings of at most 255 octets
+
+
+class SigningError(Exception):
+    """The message cannot be signed as it stands (no From field, malformed header section)."""
+
+
+# ---------------------------------------------------------------- keys and DNS records
+
+
+@dataclass(frozen=True)
+class GeneratedKey:
+    algorithm: Algorithm
+    bits: int | None  # RSA modulus size; None for Ed25519
+    private_pem: str  # PKCS#8 PEM
+    public_key: str  # base64, the p= of the DNS record
+
+
+def generate_key(algorithm: Algorithm = "rsa", bits: int | None = None) -> GeneratedKey:
+    """A new key pair: RSA (default 2048 bits, 1024-4096) or Ed25519 (RFC 8463)."""
+    if algorithm == "rsa":
+        size = RSA_BITS_DEFAULT if bits is None else bits
+        if not RSA_BITS_MIN <= size <= RSA_BITS_MAX:
+            raise ValueError(
+                f"RSA keys must have {RSA_BITS_MIN} to {RSA_BITS_MAX} bits, not {size}"
+            )
+        rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=size)
+        # RFC 6376 3.6.1: p= is the base64 DER SubjectPublicKeyInfo.
+        public_der = rsa_key.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        return GeneratedKey("rsa", size, _pkcs8_pem(rsa_key), base64.b64encode(public_der).decode())
+    if algorithm == "ed25519":
+        if bits is not None:
+            raise ValueError("Ed25519 keys have a fixed size; --bits applies to RSA only")
+        ed_key = ed25519.Ed25519PrivateKey.generate()
+        # RFC 8463 4: p= is the base64 of the raw 32-octet public key, not a SubjectPublicKeyInfo.
+        public_raw = ed_key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+        return GeneratedKey(
+            "ed25519", None, _pkcs8_pem(ed_key), base64.b64encode(public_raw).decode()
+        )
+    raise ValueError(f"unknown key algorithm {algorithm!r} (use rsa or ed25519)")
+
+
+def _pkcs8_pem(key: rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey) -> str:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    ).decode("ascii")
+
+
+def ascii_domain(domain: str) -> str:
+    """The domain as it appears in DNS and in d=: lower case, no final dot, IDNA A-labels."""
+    domain = domain.strip().rstrip(".").lower()
+    return domain if domain.isascii() else domain.encode("idna").decode("ascii")
+
+
+def txt_record_value(algorithm: Algorithm, public_key: str) -> str:
+    """The DNS TXT record to publish for a key (RFC 6376 3.6.1)."""
+    return f"v=DKIM1; k={algorithm}; p={public_key}"
+
+
+def record_name(selector: str, domain: str) -> str:
+    """Where the record goes: `<selector>._domainkey.<domain>` (RFC 6376 3.6.2.1), no final dot."""
+    return f"{selector}._domainkey.{ascii_domain(domain)}"
+
+
+def txt_strings(value: str) -> list[str]:
+    """The record value cut into TXT character-strings of at most 255 octets each.
+
+    Verifiers join the strings without a separator (RFC 6376 3.6.2.2); the value is ASCII and has
+    no quotes or backslashes, so no escaping is needed.
+    """
+    data = value.encode("ascii")
+    return [
+        data[i : i + _TXT_STRING_MAX].decode("ascii") for i in range(0, len(data), _TXT_STRING_MAX)
+    ] or [""]
+
+
+def zone_file_line(selector: str, domain: str, value: str) -> str:
+    """The record as one zone-file line: `s1._domainkey.example.com. IN TXT "v=DKIM1; ..."`."""
+    quoted = " ".join(f'"{s}"' for s in txt_strings(value))
+    return f"{record_name(selector, domain)}. IN TXT {quoted}"
+
+
+# ---------------------------------------------------------------- signing
+
+
+@dataclass(frozen=True)
+class SigningKey:
+    """A private key ready to sign, with the d= and s= it signs as."""
+
+    domain: str  # ASCII (A-label) form
+    selector: str
+    algorithm: Algorithm
+    private_key: rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey
+
+
+def load_signing_key(
+    domain: str, selector: str, algorithm: Algorithm, private_pem: str
+) -> SigningKey:
+    """Parse a stored PEM key (slow for RSA: OpenSSL checks the key; cache the result)."""
+    key = serialization.load_pem_private_key(private_pem.encode("ascii"), password=None)
+    expected = rsa.RSAPrivateKey if algorithm == "rsa" else ed25519.Ed25519PrivateKey
+    if not isinstance(key, expected):
+        raise ValueError(f"the stored key for {selector}._domainkey.{domain} is not {algorithm}")
+    return SigningKey(ascii_domain(domain), selector, algorithm, key)
+
+
+class _Signature:
+    """What dkimpy reads back from `key.sign(digest)`: the raw signature in `.signature`."""
+
+    __slots__ = ("signature",)
+
+    def __init__(self, signature: bytes) -> None:
+        self.signature = signature
+
+
+class _DigestSigner:
+    """Signs the SHA-256 header digest that dkimpy hands over, with `cryptography` (see top)."""
+
+    __slots__ = ("_key",)
+    _RSA_PADDING = padding.PKCS1v15()
+    _PREHASHED_SHA256 = utils.Prehashed(hashes.SHA256())
+
+    def __init__(self, key: rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey) -> None:
+        self._key = key
+
+    def sign(self, digest: bytes) -> _Signature:
+        if isinstance(self._key, rsa.RSAPrivateKey):
+            # The digest is already SHA-256; Prehashed makes OpenSSL wrap it in the DigestInfo of
+            # EMSA-PKCS1-v1_5 instead of hashing it again.
+            return _Signature(self._key.sign(digest, self._RSA_PADDING, self._PREHASHED_SHA256))
+        return _Signature(self._key.sign(digest))
+
+
+def headers_to_sign(field_names: Iterable[bytes]) -> list[bytes]:
+    """The h= list for a message with these header field names, in order.
+
+    Each signable field once per occurrence, in message order, then the oversigned fields once
+    more per occurrence (so a verifier's extra lookup finds nothing, RFC 6376 5.4.2).
+    """
+    present = [name.lower() for name in field_names if name.lower() in SIGNED_HEADERS]
+    return present + [name for name in present if name in OVERSIGNED_HEADERS]
+
+
+def sign(message: bytes, keys: Sequence[SigningKey], *, timestamp: int) -> bytes:
+    """The DKIM-Signature field(s) for `message`, one per key, each ending in CRLF.
+
+    relaxed/relaxed, whole body (no l=), t=`timestamp`, the header fields of `headers_to_sign`.
+    Prepend the result to the message. Pure: the same inputs give the same bytes (RSA PKCS#1 v1.5
+    and Ed25519 signatures are deterministic).
+    """
+    if not keys:
+        return b""
+    headers, body = _split_message(message)
+    include = headers_to_sign(name for name, _value in headers)
+    if b"from" not in include:
+        raise SigningError("the message has no From field (RFC 6376 5.4 requires signing it)")
+    # The instance is ours alone; its signature_algorithm only picks gen_header's
+    # `key.sign(digest)` route (see top). Each signature states its own a=.
+    signer = dkimpy.DKIM(None, signature_algorithm=b"ed25519-sha256", linesep=b"\r\n")
+    # Only the fields named in h= take part in the header hash; handing dkimpy just those (in
+    # order) spares it canonicalizing Received and the like, and picks the same instances.
+    signer.headers = [field for field in headers if field[0].lower() in SIGNED_HEADERS]
+    signer.hasher = hashlib.sha256
+    policy = CanonicalizationPolicy.from_c_value(_CANONICALIZATION)
+    body_hash = base64.b64encode(hashlib.sha256(relaxed_body(body)).digest())
+    fields = []
+    for key in keys:
+        domain = key.domain.encode("ascii")
+        # The tags and their order are dkimpy's own (DKIM.sign), so that the result is
+        # byte-identical to stock dkimpy; b= starts as a placeholder long enough to be folded
+        # onto its own line, so that filling it in does not refold the tags before it.
+        tags = [
+            (b"v", b"1"),
+            (b"a", SIGNATURE_ALGORITHM[key.algorithm]),
+            (b"c", policy.to_c_value()),
+            (b"d", domain),
+            (b"i", b"@" + domain),
+            (b"q", b"dns/txt"),
+            (b"s", key.selector.encode("ascii")),
+            (b"t", str(int(timestamp)).encode("ascii")),
+            (b"h", b" : ".join(include)),
+            (b"bh", body_hash),
+            (b"b", b"0" * 60),
+        ]
+        try:
+            value = signer.gen_header(
+                tags, include, policy, b"DKIM-Signature", _DigestSigner(key.private_key)
+            )
+        except dkimpy.DKIMException as exc:
+            raise SigningError(str(exc)) from None
+        fields.append(b"DKIM-Signature: " + value)
+    return b"".join(fields)
+
+
+def _split_message(message: bytes) -> tuple[list[list[bytes]], bytes]:
+    """(header fields, body) as dkimpy's parser gives them, without splitting the body into
+    lines unless it has bare LFs (dkimpy's parser rejoins every line with CRLF)."""
+    end = _HEADER_END.search(message)
+    if end is None or message.startswith((b"\n", b"\r\n")):
+        return _parse_with_dkimpy(message)
+    headers, _no_body = _parse_with_dkimpy(message[: end.start()])
+    body = message[end.end() :]
+    if body.count(b"\n") != body.count(b"\r\n"):
+        body = b"\r\n".join(_LINE_END.split(body))
+    return headers, body
+
+
+def _parse_with_dkimpy(data: bytes) -> tuple[list[list[bytes]], bytes]:
+    try:
+        headers, body = dkimpy.rfc822_parse(data)
+    except dkimpy.MessageFormatError as exc:
+        raise SigningError(f"malformed header section: {exc}") from None
+    return headers, body
+
+
+def relaxed_body(body: bytes) -> bytes:
+    """The relaxed body canonicalization (RFC 6376 3.4.4), equal to dkimpy's.
+
+    dkimpy's version runs two regular expressions over every blank of the body (0.27 ms on a 5 KB
+    text body); this one touches only what needs changing (0.02 ms) and ends with dkimpy's own
+    trailing-line handling. tests/unit/test_dkim.py checks the two agree (hypothesis).
+    """
+    if b" \r\n" in body or b"\t\r\n" in body:
+        body = _TRAILING_BLANKS.sub(b"\r\n", body)
+    if b"\t" in body:
+        body = body.replace(b"\t", b" ")
+    if b"  " in body:
+        body = _SPACE_RUN.sub(b" ", body)
+    return bytes(correct_empty_body(strip_trailing_lines(body)))
+
+
+# ---------------------------------------------------------------- the From: domain
+
+_FIELD_START = re.compile(rb"^([\x21-\x39\x3b-\x7e]+)[ \t]*:", re.MULTILINE)
+
+
+def from_domain(message: bytes) -> str | None:
+    """The domain of the From: header field's address(es), lower-cased; None when there is no
+    single From field or its mailboxes do not share one domain (then nobody's key applies)."""
+    end = _HEADER_END.search(message)
+    header = message[: end.start()] if end else message
+    values = []
+    for match in _FIELD_START.finditer(header):
+        if match.group(1).lower() != b"from":
+            continue
+        rest = header[match.end() :]
+        following = re.search(rb"\r?\n(?![ \t])", rest)
+        raw = rest[: following.start()] if following else rest
+        values.append(re.sub(rb"\r?\n(?=[ \t])", b"", raw).decode("utf-8", "surrogateescape"))
+    if len(values) != 1:
+        return None  # RFC 5322 3.6: exactly one From field
+    domains = {
+        address.rpartition("@")[2].strip().strip("[]").rstrip(".").lower()
+        for _name, address in email.utils.getaddresses(values)
+        if "@" in address
+    }
+    if len(domains) != 1:
+        return None
+    domain = domains.pop()
+    if not domain or not domain.isprintable() or " " in domain:
+        return None
+    try:
+        domain.encode("utf-8")  # raw 8-bit that is not UTF-8 stays as surrogates: no domain
+    except UnicodeEncodeError:
+        return None
+    return domain

@@ -1,0 +1,186 @@
+"""The engine's sign step against a real database: which keys sign which delivery, rotation, the
+cache, unsigned mail and its counters."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+from prometheus_client import REGISTRY
+
+from pigeon_mta.signer import DkimSigner, KeysUnavailable
+from pigeon_mta.store import dkim_keys as store_dkim_keys
+from tests.integration.dkim_helpers import add_key, add_sender_domain, delivery
+from tests.peers.dkim_samples import SAMPLES
+from tests.peers.dkim_verify import DkimZone, dkimpy_verify, opendkim_verify
+
+T = 1_764_428_400
+MESSAGE = SAMPLES["plain"]  # From: Alice <alice@example.com>
+
+
+def _count(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def _selectors(signed: bytes) -> list[str]:
+    fields = signed.split(b"\r\n\r\n", 1)[0].replace(b"\r\n ", b" ").split(b"\r\n")
+    return [
+        f.split(b" s=", 1)[1].split(b";", 1)[0].decode()
+        for f in fields
+        if f.startswith(b"DKIM-Signature:")
+    ]
+
+
+@pytest.fixture
+async def signer(pool: asyncpg.Pool) -> AsyncIterator[DkimSigner]:
+    signer = DkimSigner(pool, cache_ttl=0, clock=lambda: T)
+    yield signer
+    signer.close()
+
+
+async def test_signs_with_the_orgs_active_key_and_verifies(
+    pool: asyncpg.Pool, signer: DkimSigner
+) -> None:
+    domain = await add_sender_domain(pool, "acme", "example.com")
+    _key, record = await add_key(pool, domain, "s1")
+    before = _count("pigeon_dkim_signatures_total", algorithm="rsa")
+
+    signed = await signer(delivery(domain.org_id, MESSAGE))
+
+    assert signed.endswith(MESSAGE) and signed.startswith(b"DKIM-Signature:")
+    assert b" t=%d;" % T in signed.replace(b"\r\n ", b" ")
+    assert _count("pigeon_dkim_signatures_total", algorithm="rsa") == before + 1
+    with DkimZone({"s1._domainkey.example.com": record}) as zone:
+        assert dkimpy_verify(signed, zone) == [True]
+        assert opendkim_verify(signed, zone).ok
+
+
+async def test_rsa_and_ed25519_keys_give_two_signatures(
+    pool: asyncpg.Pool, signer: DkimSigner
+) -> None:
+    domain = await add_sender_domain(pool, "acme", "example.com")
+    _k1, rsa_record = await add_key(pool, domain, "r1", "rsa")
+    _k2, ed_record = await add_key(pool, domain, "e1", "ed25519")
+    before = _count("pigeon_dkim_signatures_total", algorithm="ed25519")
+
+    signed = await signer(delivery(domain.org_id, MESSAGE))
+
+    assert _selectors(signed) == ["r1", "e1"]  # RSA on top, for verifiers that read only one
+    assert _count("pigeon_dkim_signatures_total", algorithm="ed25519") == before + 1
+    records = {"r1._domainkey.example.com": rsa_record, "e1._domainkey.example.com": ed_record}
+    with DkimZone(records) as zone:
+        assert dkimpy_verify(signed, zone) == [True, True]
+
+
+async def test_no_key_means_unsigned_and_counted(pool: asyncpg.Pool, signer: DkimSigner) -> None:
+    domain = await add_sender_domain(pool, "acme", "example.com")
+    before = _count("pigeon_dkim_unsigned_total", reason="no_key")
+
+    assert await signer(delivery(domain.org_id, MESSAGE)) == MESSAGE
+
+    assert _count("pigeon_dkim_unsigned_total", reason="no_key") == before + 1
+
+
+async def test_another_orgs_domain_is_not_signed(pool: asyncpg.Pool, signer: DkimSigner) -> None:
+    theirs = await add_sender_domain(pool, "other", "example.com")
+    await add_key(pool, theirs, "s1")
+    ours = await add_sender_domain(pool, "acme", "acme.example")
+
+    assert await signer(delivery(ours.org_id, MESSAGE)) == MESSAGE
+
+
+async def test_messages_without_a_usable_from_go_unsigned(
+    pool: asyncpg.Pool, signer: DkimSigner
+) -> None:
+    domain = await add_sender_domain(pool, "acme", "example.com")
+    await add_key(pool, domain, "s1")
+    before = _count("pigeon_dkim_unsigned_total", reason="no_from_domain")
+    for body in (
+        b"To: bob@example.net\r\n\r\nno From\r\n",
+        b"From: a@example.com\r\nFrom: b@example.com\r\n\r\ntwo From fields\r\n",
+        b"From: a@b\xff.example\r\n\r\nnot UTF-8\r\n",
+    ):
+        assert await signer(delivery(domain.org_id, body)) == body
+    assert _count("pigeon_dkim_unsigned_total", reason="no_from_domain") == before + 3
+    # Not a valid IDN (a label over 63 characters): looked up as it is, found nowhere.
+    body = ("From: a@" + "ü" * 64 + ".example\r\n\r\nx\r\n").encode()
+    assert await signer(delivery(domain.org_id, body)) == body
+
+
+async def test_a_damaged_stored_key_is_skipped(pool: asyncpg.Pool, signer: DkimSigner) -> None:
+    domain = await add_sender_domain(pool, "acme", "example.com")
+    damaged, _record = await add_key(pool, domain, "r1", "rsa")
+    await pool.execute("UPDATE dkim_key SET private_key = 'not a key' WHERE id = $1", damaged.id)
+    assert await signer(delivery(domain.org_id, MESSAGE)) == MESSAGE
+    await add_key(pool, domain, "e1", "ed25519")
+    assert _selectors(await signer(delivery(domain.org_id, MESSAGE))) == ["e1"]
+
+
+async def test_rotation_signs_queued_mail_with_the_key_active_at_send_time(
+    pool: asyncpg.Pool, signer: DkimSigner
+) -> None:
+    domain = await add_sender_domain(pool, "acme", "example.com")
+    await add_key(pool, domain, "old")
+    queued = delivery(domain.org_id, MESSAGE)  # claimed later, after the rotation
+    assert _selectors(await signer(queued)) == ["old"]
+
+    new, _record = await add_key(pool, domain, "new")
+    assert not new.active  # waits for its DNS record
+    assert _selectors(await signer(queued)) == ["old"]
+
+    async with pool.acquire() as conn:
+        result = await store_dkim_keys.activate_key(conn, domain.id, "new")
+    assert result is not None and result[1] == ["old"]
+    assert _selectors(await signer(queued)) == ["new"]
+
+    await store_dkim_keys.deactivate_key(pool, domain.id, "new")
+    assert await signer(queued) == MESSAGE
+
+
+async def test_lookups_are_cached_for_the_ttl(pool: asyncpg.Pool) -> None:
+    domain = await add_sender_domain(pool, "acme", "example.com")
+    await add_key(pool, domain, "s1")
+    signer = DkimSigner(pool, cache_ttl=3600, threads=0)
+    try:
+        assert _selectors(await signer(delivery(domain.org_id, MESSAGE))) == ["s1"]
+        await store_dkim_keys.deactivate_key(pool, domain.id, "s1")
+        # Within the TTL the cached key still signs; `cache_ttl` bounds how long.
+        assert _selectors(await signer(delivery(domain.org_id, MESSAGE))) == ["s1"]
+    finally:
+        signer.close()
+
+
+async def test_database_outage_uses_cached_keys_else_raises(db_url: str) -> None:
+    pool = await asyncpg.create_pool(db_url, min_size=1, max_size=2)
+    assert pool is not None
+    domain = await add_sender_domain(pool, "acme", "example.com")
+    other = await add_sender_domain(pool, "acme", "other.example")
+    await add_key(pool, domain, "s1")
+    await add_key(pool, other, "s1")
+    signer = DkimSigner(pool, cache_ttl=0)
+    try:
+        assert _selectors(await signer(delivery(domain.org_id, MESSAGE))) == ["s1"]
+        await pool.close()
+        # Cached keys keep signing through the outage (up to stale_ttl) ...
+        assert _selectors(await signer(delivery(domain.org_id, MESSAGE))) == ["s1"]
+        # ... and a domain never looked up is not sent unsigned: the engine retries it later.
+        other_message = MESSAGE.replace(b"alice@example.com", b"alice@other.example")
+        with pytest.raises(KeysUnavailable):
+            await signer(delivery(domain.org_id, other_message))
+    finally:
+        signer.close()
+
+
+async def test_thread_pool_and_inline_signing_give_the_same_bytes(pool: asyncpg.Pool) -> None:
+    domain = await add_sender_domain(pool, "acme", "example.com")
+    await add_key(pool, domain, "r1", "rsa")
+    await add_key(pool, domain, "e1", "ed25519")
+    pooled = DkimSigner(pool, threads=2, clock=lambda: T)
+    inline = DkimSigner(pool, threads=0, clock=lambda: T)
+    try:
+        job = delivery(domain.org_id, SAMPLES["eight_bit"])
+        assert await pooled(job) == await inline(job)
+    finally:
+        pooled.close()
+        inline.close()
