@@ -10,7 +10,7 @@ from typing import Any
 
 from pigeon_mta.observability.exposition import MetricsExposition
 from tests.conftest import REPO
-from tests.promtool import promtool
+from tests.observe_helpers import promtool
 
 PROMETHEUS = REPO / "deploy" / "prometheus"
 DASHBOARD = REPO / "deploy" / "grafana" / "pigeon-mta.json"

@@ -25,8 +25,7 @@ from pigeon_mta.deliverylog import EVENT_FIELDS
 from tests.conftest import free_port
 from tests.e2e.serve_process import ServeProcess, write_config
 from tests.integration.queue_helpers import bulk_queue
-from tests.integration.test_observability import http
-from tests.promtool import promtool
+from tests.observe_helpers import http, promtool
 
 # Every metric of the interface contract, as exposed (counters with _total).
 CONTRACT_METRICS = {

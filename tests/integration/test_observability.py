@@ -12,8 +12,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -28,7 +26,7 @@ from pigeon_mta.observability.exposition import MetricsExposition
 from pigeon_mta.observability.health import Readiness
 from pigeon_mta.observability.http import ObservabilityServer
 from tests.conftest import REPO, free_port
-from tests.promtool import promtool
+from tests.observe_helpers import http, promtool
 
 WORKER = textwrap.dedent(
     """
@@ -169,16 +167,6 @@ async def server(pool: asyncpg.Pool, gauges: None) -> AsyncIterator[Observabilit
         yield server
     finally:
         await server.stop()
-
-
-def http(port: int, path: str, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
-    try:
-        with opener.open(request, timeout=10) as response:
-            return response.status, dict(response.headers), response.read()
-    except urllib.error.HTTPError as error:
-        return error.code, dict(error.headers), error.read()
 
 
 async def get(port: int, path: str, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
