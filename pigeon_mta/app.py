@@ -22,9 +22,16 @@ from typing import Protocol
 
 import asyncpg
 
-from pigeon_mta.config import Settings
+from pigeon_mta import metrics
+from pigeon_mta.config import ConfigError, Settings
+from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.logs import configured_level, setup_logging
+from pigeon_mta.observability.exposition import MetricsExposition, MultiprocessSetupError
+from pigeon_mta.observability.health import Readiness, publish_queue_stats
+from pigeon_mta.observability.http import ObservabilityServer
 from pigeon_mta.store import bounces as store_bounces
 from pigeon_mta.store import connect as store_connect
+from pigeon_mta.store import events as store_events
 from pigeon_mta.store import migrate as store_migrate
 from pigeon_mta.store import orgs as store_orgs
 from pigeon_mta.store import queue as store_queue
@@ -163,7 +170,10 @@ async def run_worker(settings: Settings, url: str, index: int, stop: asyncio.Eve
             await service.start()
             started.append(service)
         log.info("worker %d ready", index)
+        metrics.WORKER_STARTS.inc()
+        metrics.WORKERS_READY.set(1)
         await stop.wait()
+        metrics.WORKERS_READY.set(0)
         deadline = asyncio.get_running_loop().time() + settings.server.shutdown_timeout
         for service in reversed(started):
             try:
@@ -175,7 +185,7 @@ async def run_worker(settings: Settings, url: str, index: int, stop: asyncio.Eve
 
 
 def _worker_process_main(settings: Settings, url: str, index: int) -> None:
-    _install_child_logging()
+    _install_child_logging(settings)
     asyncio.run(_worker_process_async(settings, url, index))
 
 
@@ -187,16 +197,15 @@ async def _worker_process_async(settings: Settings, url: str, index: int) -> Non
     await run_worker(settings, url, index, stop)
 
 
-def _install_child_logging() -> None:
-    from pigeon_mta.logs import setup_logging
-
-    setup_logging(os.environ.get("PIGEON_LOG_LEVEL", "info"))
+def _install_child_logging(settings: Settings) -> None:
+    setup_logging(configured_level(settings.log.level), settings.log.format)
 
 
 # ---------------------------------------------------------------- supervisor
 
 
 async def serve(settings: Settings, *, processes: int | None = None) -> int:
+    setup_logging(configured_level(settings.log.level), settings.log.format)
     location = await asyncio.to_thread(store_connect.locate_database, settings)
     log.info("database: %s", location.description)
     await prepare_database(settings, location.url)
@@ -213,15 +222,33 @@ async def serve(settings: Settings, *, processes: int | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _on_signal, sig, stop)
 
-    pool = await store_connect.create_pool(location.url, settings, size=3)
-    maintenance = Maintenance(settings, pool)
-    tasks = [asyncio.create_task(maintenance.run(stop), name="maintenance")]
-    try:
+    async with contextlib.AsyncExitStack() as resources:
+        pool = await store_connect.create_pool(location.url, settings, size=3)
+        resources.push_async_callback(pool.close)
+        exposition = _metrics_exposition(count)  # before any worker process starts
+        resources.callback(exposition.close)
+        delivery_log = _open_delivery_log(settings)
+        resources.callback(delivery_log.close)
+        readiness = Readiness(
+            pool, exposition, [lsn.name for lsn in settings.listener], count, stop
+        )
+        http = ObservabilityServer(settings.metrics.listen, exposition, readiness)
+        await _start_http(http)
+        resources.push_async_callback(http.stop)
+        maintenance = Maintenance(
+            settings,
+            pool,
+            on_stats=publish_queue_stats,
+            on_expired=lambda expired: _log_expiries(pool, delivery_log, expired),
+        )
+        tasks = [asyncio.create_task(maintenance.run(stop), name="maintenance")]
         if count == 1:
             tasks.append(asyncio.create_task(run_worker(settings, location.url, 0, stop)))
         else:
             tasks.append(
-                asyncio.create_task(_supervise_children(settings, location.url, count, stop))
+                asyncio.create_task(
+                    _supervise_children(settings, location.url, count, stop, exposition)
+                )
             )
         await stop.wait()
         log.info("stopping: draining in-flight work (up to %gs)", settings.server.shutdown_timeout)
@@ -231,10 +258,48 @@ async def serve(settings: Settings, *, processes: int | None = None) -> int:
         for task in done:
             if task.exception() is not None:
                 log.error("%s ended with an error: %s", task.get_name(), task.exception())
-    finally:
-        await pool.close()
     log.info("stopped")
     return 0
+
+
+def _metrics_exposition(count: int) -> MetricsExposition:
+    try:
+        return MetricsExposition.for_processes(count)
+    except MultiprocessSetupError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _open_delivery_log(settings: Settings) -> DeliveryLog:
+    try:
+        delivery_log = DeliveryLog.from_settings(settings)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot open 'log.delivery_log' {settings.log.delivery_log}: {exc.strerror}"
+        ) from None
+    log.info("delivery log: %s", delivery_log.description)
+    return delivery_log
+
+
+async def _start_http(http: ObservabilityServer) -> None:
+    try:
+        await http.start()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot listen on 'metrics.listen' {http.listen}: {exc.strerror or exc}"
+        ) from None
+    log.info(
+        "metrics and health on http://%s:%d (/metrics, /healthz, /readyz)",
+        http.listen.host if ":" not in http.listen.host else f"[{http.listen.host}]",
+        http.port,
+    )
+
+
+async def _log_expiries(
+    pool: asyncpg.Pool, delivery_log: DeliveryLog, expired: list[store_queue.ExpiredRecipient]
+) -> None:
+    """Recipients the sweeper expired: counted, and written to the delivery log."""
+    metrics.DELIVERIES.labels(outcome="expired").inc(len(expired))
+    delivery_log.stories(await store_events.expiry_stories(pool, [e.recipient_id for e in expired]))
 
 
 def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
@@ -243,7 +308,7 @@ def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
 
 
 async def _supervise_children(
-    settings: Settings, url: str, count: int, stop: asyncio.Event
+    settings: Settings, url: str, count: int, stop: asyncio.Event, exposition: MetricsExposition
 ) -> None:
     """Run `count` worker processes; restart one that dies; on stop, SIGTERM all and wait."""
     ctx = multiprocessing.get_context("spawn")
@@ -258,6 +323,8 @@ async def _supervise_children(
         )
         proc.start()
         children[index] = proc
+        if proc.pid is not None:
+            exposition.worker_started(index, proc.pid)
         log.info("started worker %d (pid %s)", index, proc.pid)
 
     for i in range(count):
@@ -270,6 +337,8 @@ async def _supervise_children(
                 log.error(
                     "worker %d (pid %s) exited with %s; restarting", index, proc.pid, proc.exitcode
                 )
+                if proc.pid is not None:
+                    exposition.worker_exited(proc.pid)
                 start(index)
     for proc in children.values():
         if proc.is_alive() and proc.pid is not None:
@@ -282,6 +351,8 @@ async def _supervise_children(
             log.error("worker pid %s did not stop in time; killing it", proc.pid)
             os.kill(proc.pid, signal.SIGKILL)
         proc.join(1)
+        if proc.pid is not None:
+            exposition.worker_exited(proc.pid)
 
 
 def loop_time() -> float:

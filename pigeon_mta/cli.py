@@ -9,13 +9,13 @@ import sys
 from collections.abc import Sequence
 
 from pigeon_mta import __version__
-from pigeon_mta.commands import dkim, orgs, queue, service, suppress
+from pigeon_mta.commands import dkim, log, orgs, queue, service, suppress
 from pigeon_mta.commands.common import CliError, eprint
 from pigeon_mta.config import ConfigError
 from pigeon_mta.logs import setup_logging
 from pigeon_mta.store.connect import DatabaseUnavailable
 
-COMMAND_MODULES = [service, orgs, queue, suppress, dkim]
+COMMAND_MODULES = [service, orgs, queue, log, suppress, dkim]
 
 EXIT_ERROR = 1
 EXIT_CONFIG = 2
@@ -48,6 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`pigeon-mta log X --json | head`): not worth a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_ERROR
 
 
 def _use_uvloop() -> None:

@@ -221,6 +221,20 @@ class BounceSettings:
     suppress_for: Duration = Duration(0)
 
 
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+@dataclass(frozen=True)
+class LogSettings:
+    # The process's own log (stderr); $PIGEON_LOG_LEVEL overrides it.
+    level: LogLevel = "info"
+    # "text": `time level logger[pid]: message`; "json": one JSON object per line.
+    format: Literal["text", "json"] = "text"
+    # Delivery log records (one JSON object per line per event): "-" is stdout, "" turns them
+    # off, anything else is a file that every process appends to.
+    delivery_log: str = "-"
+
+
 def _default_listeners() -> tuple[ListenerSettings, ...]:
     return (
         ListenerSettings(name="relay", address=HostPort("127.0.0.1", 2525), mode="relay"),
@@ -240,6 +254,7 @@ class Settings:
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     retention: RetentionSettings = field(default_factory=RetentionSettings)
     bounces: BounceSettings = field(default_factory=BounceSettings)
+    log: LogSettings = field(default_factory=LogSettings)
     # Where the settings came from, for messages ("built-in defaults" or a path).
     source: str = "built-in defaults"
 

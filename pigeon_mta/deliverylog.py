@@ -1,0 +1,392 @@
+"""Delivery log records: one JSON object per line per event, to stdout or a file every process appends to.
+
+Events are per recipient: Reception (the message was queued), then Delivery, TransientFailure,
+Bounce, Expiration or Suppressed for each attempt or final decision. Every record has the contract
+fields (`EVENT_FIELDS`) in that order, then a few extras. The same events are in the database (the
+message row and the attempt rows); `pigeon-mta log --json` rebuilds them from there with the same
+functions, so the file and the command never disagree on a field.
+
+The submission side calls `reception()` after the commit and before the `250`; the engine calls
+`attempts()` after `record_attempts`. Writes are synchronous `os.write` calls of whole lines: with
+O_APPEND each write lands at the end of the file whatever other processes write, and on a pipe no
+write is longer than PIPE_BUF, so lines from several processes never interleave.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
+
+from pigeon_mta import metrics
+from pigeon_mta.config import Settings
+from pigeon_mta.model import EVENT_TYPE, AttemptResult, Delivery, Envelope, Outcome
+from pigeon_mta.store.events import AttemptRecord, MessageStory
+
+log = logging.getLogger(__name__)
+
+Record = dict[str, Any]
+
+# The interface contract's fields, in the order every record starts with.
+EVENT_FIELDS = (
+    "type",
+    "timestamp",
+    "queue_id",
+    "message_id",
+    "org",
+    "sender",
+    "recipient",
+    "mx",
+    "ip",
+    "code",
+    "enhanced_code",
+    "response",
+    "tls",
+    "attempt",
+)
+
+RECEPTION = "Reception"
+
+
+# ---------------------------------------------------------------- records
+
+
+def timestamp_text(when: datetime) -> str:
+    """ISO 8601 in UTC with microseconds and a Z: 2025-01-02T03:04:05.678901Z."""
+    return when.astimezone(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def event_record(
+    type: str,
+    *,
+    timestamp: datetime,
+    queue_id: uuid.UUID,
+    message_id: str | None,
+    org: uuid.UUID,
+    sender: str,
+    recipient: str,
+    mx: str | None = None,
+    ip: str | None = None,
+    code: int | None = None,
+    enhanced_code: str | None = None,
+    response: str | None = None,
+    tls_version: str | None = None,
+    tls_cipher: str | None = None,
+    attempt: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Record:
+    """One delivery log record: the contract fields, then `extra` (None values left out).
+
+    `org` is the org's id (stable, unlike a name). `tls` is null for a plaintext session, else
+    {"version": ..., "cipher": ...}. `code` is null when the peer said nothing (connection errors).
+    """
+    record: Record = {
+        "type": type,
+        "timestamp": timestamp_text(timestamp),
+        "queue_id": str(queue_id),
+        "message_id": message_id,
+        "org": str(org),
+        "sender": sender,
+        "recipient": recipient,
+        "mx": mx,
+        "ip": ip,
+        "code": code or None,
+        "enhanced_code": enhanced_code,
+        "response": response,
+        "tls": {"version": tls_version, "cipher": tls_cipher}
+        if tls_version or tls_cipher
+        else None,
+        "attempt": attempt,
+    }
+    for key, value in (extra or {}).items():
+        if value is not None:
+            record[key] = timestamp_text(value) if isinstance(value, datetime) else value
+    return record
+
+
+def queued_reply(queue_id: uuid.UUID) -> str:
+    """The text after `250 2.0.0` that the client got (interface contract)."""
+    return f"Ok: queued as {queue_id}"
+
+
+def reception_records(
+    queue_id: uuid.UUID, envelope: Envelope, *, received_at: datetime
+) -> list[Record]:
+    return [
+        event_record(
+            RECEPTION,
+            timestamp=received_at,
+            queue_id=queue_id,
+            message_id=envelope.message_id,
+            org=envelope.org_id,
+            sender=envelope.sender,
+            recipient=recipient,
+            ip=envelope.client_ip,
+            code=250,
+            enhanced_code="2.0.0",
+            response=queued_reply(queue_id),
+            extra=_reception_extra(
+                envelope.listener, envelope.client_helo, envelope.auth_user, len(envelope.body)
+            ),
+        )
+        for recipient in envelope.recipients
+    ]
+
+
+def _reception_extra(
+    listener: str, helo: str | None, auth_user: str | None, size: int
+) -> dict[str, Any]:
+    return {"listener": listener, "helo": helo, "auth_user": auth_user, "size": size}
+
+
+def attempt_records(delivery: Delivery, results: Iterable[AttemptResult]) -> list[Record]:
+    addresses = {r.id: r.address for r in delivery.recipients}
+    return [
+        event_record(
+            EVENT_TYPE[result.outcome],
+            timestamp=result.started_at + timedelta(seconds=result.duration),
+            queue_id=delivery.message_id,
+            message_id=delivery.header_message_id,
+            org=delivery.org_id,
+            sender=delivery.sender,
+            recipient=addresses.get(result.recipient_id, ""),
+            mx=result.mx_host,
+            ip=result.ip,
+            code=result.reply.code,
+            enhanced_code=result.reply.enhanced_code,
+            response=result.reply.text,
+            tls_version=result.tls_version,
+            tls_cipher=result.tls_cipher,
+            attempt=result.attempt,
+            extra=_attempt_extra(
+                result.port,
+                result.duration,
+                result.next_attempt_at if result.outcome == Outcome.DEFERRED else None,
+                result.category,
+            ),
+        )
+        for result in results
+    ]
+
+
+def _attempt_extra(
+    port: int | None, duration: float, next_attempt_at: datetime | None, category: str | None
+) -> dict[str, Any]:
+    return {
+        "port": port,
+        "duration": round(duration, 6),
+        "next_attempt_at": next_attempt_at,
+        "category": category,
+    }
+
+
+def story_records(story: MessageStory) -> list[Record]:
+    """The records of a story read from the database: Receptions, then attempts in order."""
+    m = story.message
+    records = [
+        event_record(
+            RECEPTION,
+            timestamp=m.received_at,
+            queue_id=m.id,
+            message_id=m.header_message_id,
+            org=m.org_id,
+            sender=m.sender,
+            recipient=r.address,
+            ip=m.client_ip,
+            code=250,
+            enhanced_code="2.0.0",
+            response=queued_reply(m.id),
+            extra=_reception_extra(m.listener, m.client_helo, m.auth_user, m.size),
+        )
+        for r in story.recipients
+    ]
+    addresses = {r.id: r.address for r in story.recipients}
+    records.extend(
+        _stored_attempt_record(story, a, addresses.get(a.recipient_id, "")) for a in story.attempts
+    )
+    return records
+
+
+def _stored_attempt_record(story: MessageStory, a: AttemptRecord, address: str) -> Record:
+    m = story.message
+    return event_record(
+        EVENT_TYPE[Outcome(a.outcome)],
+        timestamp=a.started_at + timedelta(seconds=a.duration),
+        queue_id=m.id,
+        message_id=m.header_message_id,
+        org=m.org_id,
+        sender=m.sender,
+        recipient=address,
+        mx=a.mx_host,
+        ip=a.ip,
+        code=a.code,
+        enhanced_code=a.enhanced_code,
+        response=a.response,
+        tls_version=a.tls_version,
+        tls_cipher=a.tls_cipher,
+        attempt=a.attempt,
+        extra=_attempt_extra(
+            a.port,
+            a.duration,
+            a.next_attempt_at if a.outcome == Outcome.DEFERRED else None,
+            a.category,
+        ),
+    )
+
+
+def to_json_line(record: Record) -> str:
+    """One record as one line of JSON (no newline inside: json escapes them)."""
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+
+
+# ---------------------------------------------------------------- sinks
+
+
+class _Sink(Protocol):
+    def write(self, data: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _NoSink:
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _FdSink:
+    """An inherited descriptor (stdout); not closed by us."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, data: bytes) -> None:
+        _write_all(self.fd, data)
+
+    def close(self) -> None:
+        pass
+
+
+class _FileSink:
+    """A file opened for appending; reopened when it was renamed away (log rotation)."""
+
+    REOPEN_CHECK_INTERVAL = 1.0
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = self._open()
+        self._checked_at = time.monotonic()
+
+    def _open(self) -> int:
+        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+
+    def write(self, data: bytes) -> None:
+        now = time.monotonic()
+        if now - self._checked_at >= self.REOPEN_CHECK_INTERVAL:
+            self._checked_at = now
+            self._reopen_if_rotated()
+        _write_all(self.fd, data)
+
+    def _reopen_if_rotated(self) -> None:
+        try:
+            current = os.stat(self.path)
+        except FileNotFoundError:
+            current = None
+        mine = os.fstat(self.fd)
+        if current is None or (current.st_ino, current.st_dev) != (mine.st_ino, mine.st_dev):
+            fd = self._open()
+            os.close(self.fd)
+            self.fd = fd
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _chunks(lines: Sequence[bytes], limit: int = select.PIPE_BUF) -> Iterable[bytes]:
+    """Whole lines grouped into writes of at most `limit` bytes (a longer line goes alone)."""
+    chunk: list[bytes] = []
+    size = 0
+    for line in lines:
+        if chunk and size + len(line) > limit:
+            yield b"".join(chunk)
+            chunk, size = [], 0
+        chunk.append(line)
+        size += len(line)
+    if chunk:
+        yield b"".join(chunk)
+
+
+# ---------------------------------------------------------------- the log
+
+
+class DeliveryLog:
+    """Where this process writes delivery log records (`[log] delivery_log`)."""
+
+    def __init__(self, sink: _Sink, description: str) -> None:
+        self._sink = sink
+        self.description = description
+        self._failing = False
+
+    @classmethod
+    def open(cls, target: str) -> DeliveryLog:
+        """ "-" is stdout, "" writes nothing, anything else is a file path (created, appended)."""
+        if target == "":
+            return cls(_NoSink(), "off")
+        if target == "-":
+            return cls(_FdSink(1), "stdout")
+        return cls(_FileSink(os.path.expanduser(target)), target)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> DeliveryLog:
+        return cls.open(settings.log.delivery_log)
+
+    def reception(
+        self, queue_id: uuid.UUID, envelope: Envelope, *, received_at: datetime | None = None
+    ) -> None:
+        """A message was queued (call after the commit): one Reception record per recipient."""
+        self.write(
+            reception_records(queue_id, envelope, received_at=received_at or datetime.now(UTC))
+        )
+
+    def attempts(self, delivery: Delivery, results: Sequence[AttemptResult]) -> None:
+        """Outcomes of one delivery (call after `record_attempts`): one record per result."""
+        self.write(attempt_records(delivery, results))
+
+    def stories(self, stories: Iterable[MessageStory]) -> None:
+        """Events read back from the database (the supervisor logs expiries this way)."""
+        self.write([r for story in stories for r in story_records(story) if r["type"] != RECEPTION])
+
+    def write(self, records: Sequence[Record]) -> None:
+        if not records:
+            return
+        lines = [(to_json_line(r) + "\n").encode() for r in records]
+        try:
+            for chunk in _chunks(lines):
+                self._sink.write(chunk)
+        except OSError as exc:
+            metrics.DELIVERY_LOG_ERRORS.inc(len(records))
+            if not self._failing:
+                log.error("cannot write the delivery log (%s): %s", self.description, exc)
+            self._failing = True
+            return
+        if self._failing:
+            log.info("writing the delivery log (%s) again", self.description)
+            self._failing = False
+
+    def close(self) -> None:
+        self._sink.close()

@@ -1,0 +1,291 @@
+"""Reading a message's story back from the database: its reception, recipients and attempts.
+
+The message row is the Reception event and each attempt row is a later event, so the delivery
+log can always be rebuilt from here. These are admin reads across orgs (an operator asks "where
+is message X"), served by indexes: the primary keys, message_header_id, recipient_address,
+recipient_message, attempt_message and attempt_recipient.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+import asyncpg
+
+from pigeon_mta.store.queue import Executor
+
+
+@dataclass(frozen=True)
+class MessageRecord:
+    id: uuid.UUID  # the queue id
+    org_id: uuid.UUID
+    org_name: str
+    sender: str
+    header_message_id: str | None
+    size: int
+    received_at: datetime
+    listener: str
+    client_ip: str | None
+    client_helo: str | None
+    auth_user: str | None
+
+
+@dataclass(frozen=True)
+class RecipientRecord:
+    id: uuid.UUID
+    message_id: uuid.UUID
+    address: str
+    status: str
+    attempts: int
+    next_attempt_at: datetime
+    last_code: int | None
+    last_enhanced_code: str | None
+    last_response: str | None
+    updated_at: datetime
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    id: uuid.UUID
+    recipient_id: uuid.UUID
+    message_id: uuid.UUID
+    attempt: int
+    started_at: datetime
+    duration: float  # seconds
+    mx_host: str | None
+    ip: str | None
+    port: int | None
+    tls_version: str | None
+    tls_cipher: str | None
+    code: int | None
+    enhanced_code: str | None
+    response: str | None
+    outcome: str
+    category: str | None
+    next_attempt_at: datetime | None
+    applied: bool
+
+
+@dataclass(frozen=True)
+class MessageStory:
+    """One message, the recipients asked about (all, unless found by address), their attempts."""
+
+    message: MessageRecord
+    recipients: tuple[RecipientRecord, ...]
+    attempts: tuple[AttemptRecord, ...]  # in the order they happened
+
+
+# ---------------------------------------------------------------- finding messages
+
+_MESSAGE_COLUMNS = """m.id, m.org_id, o.name AS org_name, m.sender, m.header_message_id, m.size,
+    m.received_at, m.listener, host(m.client_ip) AS client_ip, m.client_helo, m.auth_user"""
+
+_BY_QUEUE_ID = f"""
+SELECT {_MESSAGE_COLUMNS} FROM message m JOIN org o ON o.id = m.org_id WHERE m.id = $1
+"""
+
+_BY_QUEUE_IDS = f"""
+SELECT {_MESSAGE_COLUMNS} FROM message m JOIN org o ON o.id = m.org_id WHERE m.id = ANY ($1::uuid[])
+ORDER BY m.received_at
+"""
+
+_BY_HEADER_ID = f"""
+SELECT {_MESSAGE_COLUMNS} FROM message m JOIN org o ON o.id = m.org_id
+WHERE m.header_message_id = $1
+ORDER BY m.received_at DESC LIMIT $2
+"""
+
+# The newest messages to an address, through recipient_address (address, created_at).
+_TO_ADDRESS = f"""
+SELECT {_MESSAGE_COLUMNS} FROM message m JOIN org o ON o.id = m.org_id
+WHERE m.id IN (SELECT message_id FROM recipient WHERE address = ANY ($1::text[])
+               ORDER BY created_at DESC LIMIT $2)
+ORDER BY m.received_at DESC
+"""
+
+
+def _message(row: asyncpg.Record) -> MessageRecord:
+    return MessageRecord(
+        id=row["id"],
+        org_id=row["org_id"],
+        org_name=row["org_name"],
+        sender=row["sender"],
+        header_message_id=row["header_message_id"],
+        size=row["size"],
+        received_at=row["received_at"],
+        listener=row["listener"],
+        client_ip=row["client_ip"],
+        client_helo=row["client_helo"],
+        auth_user=row["auth_user"],
+    )
+
+
+async def message_by_queue_id(db: Executor, queue_id: uuid.UUID) -> MessageRecord | None:
+    row = await db.fetchrow(_BY_QUEUE_ID, queue_id)
+    return _message(row) if row else None
+
+
+async def messages_by_header_id(db: Executor, header_id: str, *, limit: int) -> list[MessageRecord]:
+    """Messages whose Message-ID header is `header_id` (stored without angle brackets)."""
+    return [_message(r) for r in await db.fetch(_BY_HEADER_ID, header_id, limit)]
+
+
+async def messages_to_address(
+    db: Executor, addresses: Sequence[str], *, limit: int
+) -> list[MessageRecord]:
+    """The newest `limit` messages with a recipient spelled as one of `addresses`."""
+    return [_message(r) for r in await db.fetch(_TO_ADDRESS, list(addresses), limit)]
+
+
+# ---------------------------------------------------------------- recipients and attempts
+
+_RECIPIENTS = """
+SELECT id, message_id, address, status, attempts, next_attempt_at, last_code,
+       last_enhanced_code, last_response, updated_at
+FROM recipient WHERE message_id = ANY ($1::uuid[])
+ORDER BY message_id, address
+"""
+
+_ATTEMPTS = """
+SELECT id, recipient_id, message_id, attempt, started_at, duration_ms, mx_host, ip, port,
+       tls_version, tls_cipher, code, enhanced_code, response, outcome, category,
+       next_attempt_at, applied
+FROM attempt WHERE message_id = ANY ($1::uuid[])
+ORDER BY started_at, attempt, recorded_at, id
+"""
+
+
+def _recipient(row: asyncpg.Record) -> RecipientRecord:
+    return RecipientRecord(
+        id=row["id"],
+        message_id=row["message_id"],
+        address=row["address"],
+        status=row["status"],
+        attempts=row["attempts"],
+        next_attempt_at=row["next_attempt_at"],
+        last_code=row["last_code"],
+        last_enhanced_code=row["last_enhanced_code"],
+        last_response=row["last_response"],
+        updated_at=row["updated_at"],
+    )
+
+
+def _attempt(row: asyncpg.Record) -> AttemptRecord:
+    return AttemptRecord(
+        id=row["id"],
+        recipient_id=row["recipient_id"],
+        message_id=row["message_id"],
+        attempt=row["attempt"],
+        started_at=row["started_at"],
+        duration=float(row["duration_ms"]) / 1000.0,
+        mx_host=row["mx_host"],
+        ip=row["ip"],
+        port=row["port"],
+        tls_version=row["tls_version"],
+        tls_cipher=row["tls_cipher"],
+        code=row["code"],
+        enhanced_code=row["enhanced_code"],
+        response=row["response"],
+        outcome=row["outcome"],
+        category=row["category"],
+        next_attempt_at=row["next_attempt_at"],
+        applied=row["applied"],
+    )
+
+
+async def stories_of(
+    db: Executor, messages: Sequence[MessageRecord], *, addresses: Sequence[str] = ()
+) -> list[MessageStory]:
+    """The stories of `messages` (in the order given); only `addresses` when any are given."""
+    ids = [m.id for m in messages]
+    recipients = [_recipient(r) for r in await db.fetch(_RECIPIENTS, ids)]
+    if addresses:
+        wanted = set(addresses)
+        recipients = [r for r in recipients if r.address in wanted]
+    kept = {r.id for r in recipients}
+    attempts = [_attempt(a) for a in await db.fetch(_ATTEMPTS, ids)]
+    return [
+        MessageStory(
+            message=m,
+            recipients=tuple(r for r in recipients if r.message_id == m.id),
+            attempts=tuple(a for a in attempts if a.message_id == m.id and a.recipient_id in kept),
+        )
+        for m in messages
+    ]
+
+
+# ---------------------------------------------------------------- expiry, for the delivery log
+
+_EXPIRED = """
+SELECT id, recipient_id, message_id, attempt, started_at, duration_ms, mx_host, ip, port,
+       tls_version, tls_cipher, code, enhanced_code, response, outcome, category,
+       next_attempt_at, applied
+FROM attempt WHERE recipient_id = ANY ($1::uuid[]) AND outcome = 'expired'
+ORDER BY started_at, id
+"""
+
+
+async def expiry_stories(db: Executor, recipient_ids: Sequence[uuid.UUID]) -> list[MessageStory]:
+    """The expiry events of recipients the sweeper just expired, with their messages."""
+    attempts = [_attempt(a) for a in await db.fetch(_EXPIRED, list(recipient_ids))]
+    message_ids = list(dict.fromkeys(a.message_id for a in attempts))
+    messages = [_message(r) for r in await db.fetch(_BY_QUEUE_IDS, message_ids)]
+    recipients = [_recipient(r) for r in await db.fetch(_RECIPIENTS, message_ids)]
+    wanted = set(recipient_ids)
+    return [
+        MessageStory(
+            message=m,
+            recipients=tuple(r for r in recipients if r.message_id == m.id and r.id in wanted),
+            attempts=tuple(a for a in attempts if a.message_id == m.id),
+        )
+        for m in messages
+    ]
+
+
+# ---------------------------------------------------------------- `pigeon-mta log REF`
+
+
+@dataclass(frozen=True)
+class Lookup:
+    found_by: str  # "queue id", "Message-ID" or "recipient address"
+    stories: list[MessageStory]  # oldest first
+
+
+def address_spellings(address: str) -> list[str]:
+    """An address as typed, with its domain lower-cased, and all lower-case.
+
+    Domains are case-insensitive; local parts are not in theory but are in practice, and the
+    recipient column keeps what the client sent.
+    """
+    local, _, domain = address.strip().rpartition("@")
+    spellings = [address.strip(), f"{local}@{domain.lower()}", address.strip().lower()]
+    return list(dict.fromkeys(spellings))
+
+
+async def find_stories(db: Executor, ref: str, *, limit: int) -> Lookup | None:
+    """The messages `ref` names: a queue id, else a Message-ID (with or without <>), else the
+    newest `limit` messages to a recipient address. None when nothing matches."""
+    ref = ref.strip()
+    try:
+        queue_id: uuid.UUID | None = uuid.UUID(ref)
+    except ValueError:
+        queue_id = None
+    if queue_id is not None:
+        message = await message_by_queue_id(db, queue_id)
+        if message is not None:
+            return Lookup("queue id", await stories_of(db, [message]))
+    bracketed = ref.startswith("<") and ref.endswith(">")
+    header_id = ref[1:-1] if bracketed else ref
+    found = await messages_by_header_id(db, header_id, limit=limit)
+    if found:
+        return Lookup("Message-ID", await stories_of(db, found[::-1]))
+    if bracketed or "@" not in ref:
+        return None
+    spellings = address_spellings(ref)
+    found = await messages_to_address(db, spellings, limit=limit)
+    if found:
+        return Lookup("recipient address", await stories_of(db, found[::-1], addresses=spellings))
+    return None

@@ -1,0 +1,276 @@
+"""Delivery log records: contract fields, one whole JSON line per event, safe with several writers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from prometheus_client import REGISTRY
+
+from pigeon_mta.deliverylog import (
+    EVENT_FIELDS,
+    DeliveryLog,
+    attempt_records,
+    reception_records,
+)
+from pigeon_mta.model import AttemptResult, ClaimedRecipient, Delivery, Envelope, Outcome, Reply
+from tests.conftest import REPO
+
+ORG = uuid.UUID("01900000-0000-7000-8000-000000000001")
+QUEUE_ID = uuid.UUID("01900000-0000-7000-8000-0000000000aa")
+WHEN = datetime(2025, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
+
+
+def envelope() -> Envelope:
+    return Envelope(
+        org_id=ORG,
+        sender="alice@example.com",
+        recipients=("bob@example.net", "carol@example.org"),
+        body=b"Subject: hi\r\n\r\nhello\r\n",
+        listener="submission",
+        message_id="m1@example.com",
+        client_ip="192.0.2.7",
+        client_helo="client.example",
+        auth_user="alice",
+    )
+
+
+def delivery() -> Delivery:
+    return Delivery(
+        message_id=QUEUE_ID,
+        org_id=ORG,
+        sender="alice@example.com",
+        domain="example.net",
+        header_message_id="m1@example.com",
+        received_at=WHEN,
+        body=b"",
+        recipients=(ClaimedRecipient(id=uuid.UUID(int=1), address="bob@example.net", attempts=2),),
+    )
+
+
+def result(outcome: Outcome, reply: Reply, **kw: object) -> AttemptResult:
+    return AttemptResult(
+        recipient_id=uuid.UUID(int=1),
+        message_id=QUEUE_ID,
+        org_id=ORG,
+        attempt=2,
+        outcome=outcome,
+        reply=reply,
+        started_at=WHEN,
+        duration=0.5,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_a_reception_is_one_record_per_recipient_with_the_contract_fields_first() -> None:
+    records = reception_records(QUEUE_ID, envelope(), received_at=WHEN)
+    assert [r["recipient"] for r in records] == ["bob@example.net", "carol@example.org"]
+    for record in records:
+        assert tuple(record)[: len(EVENT_FIELDS)] == EVENT_FIELDS
+        assert record["type"] == "Reception"
+        assert record["timestamp"] == "2025-01-02T03:04:05.678901Z"
+        assert record["queue_id"] == str(QUEUE_ID)
+        assert record["message_id"] == "m1@example.com"
+        assert record["org"] == str(ORG)
+        assert record["ip"] == "192.0.2.7"
+        assert (record["code"], record["enhanced_code"]) == (250, "2.0.0")
+        assert record["response"] == f"Ok: queued as {QUEUE_ID}"
+        assert record["attempt"] is None and record["mx"] is None and record["tls"] is None
+        assert record["listener"] == "submission" and record["auth_user"] == "alice"
+        assert record["size"] == len(envelope().body)
+
+
+def test_each_outcome_has_its_event_type_and_the_reply() -> None:
+    later = WHEN + timedelta(minutes=5)
+    cases = [
+        (Outcome.DELIVERED, Reply(250, "2.0.0", "Ok"), "Delivery"),
+        (Outcome.DEFERRED, Reply(451, "4.7.1", "Greylisted"), "TransientFailure"),
+        (Outcome.BOUNCED, Reply(550, "5.1.1", "No such user"), "Bounce"),
+        (Outcome.EXPIRED, Reply(451, "4.4.7", "Too old"), "Expiration"),
+        (Outcome.SUPPRESSED, Reply(0, None, "address is suppressed"), "Suppressed"),
+    ]
+    for outcome, reply, event in cases:
+        (record,) = attempt_records(
+            delivery(),
+            [
+                result(
+                    outcome,
+                    reply,
+                    mx_host="mx.example.net",
+                    ip="198.51.100.5",
+                    port=25,
+                    tls_version="TLSv1.3",
+                    tls_cipher="TLS_AES_128_GCM_SHA256",
+                    next_attempt_at=later if outcome == Outcome.DEFERRED else None,
+                )
+            ],
+        )
+        assert tuple(record)[: len(EVENT_FIELDS)] == EVENT_FIELDS
+        assert record["type"] == event
+        assert record["timestamp"] == "2025-01-02T03:04:06.178901Z"  # when the outcome was known
+        assert record["recipient"] == "bob@example.net"
+        assert (record["mx"], record["ip"], record["port"]) == (
+            "mx.example.net",
+            "198.51.100.5",
+            25,
+        )
+        assert record["code"] == (reply.code or None)
+        assert (record["enhanced_code"], record["response"]) == (reply.enhanced_code, reply.text)
+        assert record["tls"] == {"version": "TLSv1.3", "cipher": "TLS_AES_128_GCM_SHA256"}
+        assert record["attempt"] == 2
+        assert record.get("next_attempt_at") == (
+            "2025-01-02T03:09:05.678901Z" if outcome == Outcome.DEFERRED else None
+        )
+
+
+def test_records_go_to_a_file_one_json_object_per_line(tmp_path: Path) -> None:
+    path = tmp_path / "delivery.log"
+    log = DeliveryLog.open(str(path))
+    log.reception(QUEUE_ID, envelope())
+    log.attempts(delivery(), [result(Outcome.DELIVERED, Reply(250, "2.0.0", "Ok\nsecond line"))])
+    log.close()
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["type"] for line in lines] == ["Reception", "Reception", "Delivery"]
+    assert json.loads(lines[2])["response"] == "Ok\nsecond line"
+
+
+def test_an_empty_target_turns_the_log_off_and_a_dash_is_stdout() -> None:
+    assert DeliveryLog.open("").description == "off"
+    DeliveryLog.open("").reception(QUEUE_ID, envelope())
+    code = "from pigeon_mta.deliverylog import DeliveryLog; print('start', flush=True); " + (
+        "import tests.unit.test_deliverylog as t; "
+        "DeliveryLog.open('-').reception(t.QUEUE_ID, t.envelope())"
+    )
+    out = _python(code)
+    lines = out.splitlines()
+    assert lines[0] == "start"
+    assert [json.loads(line)["recipient"] for line in lines[1:]] == [
+        "bob@example.net",
+        "carol@example.org",
+    ]
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, uuid
+    from datetime import UTC, datetime
+    from pigeon_mta.deliverylog import DeliveryLog, event_record
+    log = DeliveryLog.open(sys.argv[1])
+    who = sys.argv[2]
+    for batch in range(60):
+        records = [
+            event_record("Delivery", timestamp=datetime.now(UTC), queue_id=uuid.uuid4(),
+                         message_id=None, org=uuid.uuid4(), sender="a@example.com",
+                         recipient=f"{who}-{batch}-{i}@example.net",
+                         # some records longer than PIPE_BUF, most short
+                         response=("x" * 5000) if i == 3 else "ok", attempt=1)
+            for i in range(1 + batch % 7)
+        ]
+        log.write(records)
+    log.close()
+    """
+)
+PER_WRITER = sum(1 + batch % 7 for batch in range(60))
+
+
+def test_several_processes_append_to_one_file_without_mixing_lines(tmp_path: Path) -> None:
+    path = tmp_path / "delivery.log"
+    procs = [_spawn(WRITER, str(path), f"w{i}") for i in range(3)]
+    for proc in procs:
+        assert proc.wait(60) == 0
+    _assert_whole_lines(path.read_text(), writers=3)
+
+
+def test_several_processes_share_stdout_without_mixing_lines(tmp_path: Path) -> None:
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    shell = " & ".join(f"{sys.executable} {script} - w{i}" for i in range(3)) + " & wait"
+    out = subprocess.run(
+        ["sh", "-c", shell], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    _assert_whole_lines(out.stdout, writers=3)
+
+
+def _assert_whole_lines(text: str, writers: int) -> None:
+    lines = text.splitlines()
+    assert len(lines) == writers * PER_WRITER
+    seen = {json.loads(line)["recipient"] for line in lines}
+    assert len(seen) == writers * PER_WRITER
+
+
+def test_a_rotated_file_is_reopened(tmp_path: Path) -> None:
+    path = tmp_path / "delivery.log"
+    log = DeliveryLog.open(str(path))
+    log.reception(QUEUE_ID, envelope())
+    path.rename(tmp_path / "delivery.log.1")
+    time.sleep(1.2)  # the writer looks for a rotation at most once a second
+    log.reception(QUEUE_ID, envelope())
+    log.close()
+    assert len((tmp_path / "delivery.log.1").read_text().splitlines()) == 2
+    assert len(path.read_text().splitlines()) == 2
+
+
+def test_a_failing_write_is_counted_not_raised() -> None:
+    before = REGISTRY.get_sample_value("pigeon_delivery_log_errors_total") or 0.0
+    log = DeliveryLog.open("/dev/full")  # every write fails with ENOSPC
+    log.reception(QUEUE_ID, envelope())
+    log.close()
+    after = REGISTRY.get_sample_value("pigeon_delivery_log_errors_total")
+    assert after == before + 2
+
+
+# ---------------------------------------------------------------- the process's own log
+
+
+def test_process_log_lines_are_one_event_each_in_text_and_json() -> None:
+    code = (
+        "import logging; from pigeon_mta.logs import setup_logging; setup_logging('info', '{fmt}')\n"
+        "log = logging.getLogger('pigeon_mta.test')\n"
+        "log.debug('hidden')\n"
+        "log.info('two\\nlines')\n"
+        "try:\n    1 / 0\nexcept ZeroDivisionError:\n    log.exception('failed')\n"
+    )
+    text = _python(code.format(fmt="text"), stderr=True).splitlines()
+    assert len(text) == 2
+    assert " INFO pigeon_mta.test[" in text[0] and text[0].endswith("two | lines")
+    assert "ERROR" in text[1] and "ZeroDivisionError" in text[1]
+    events = [
+        json.loads(line)
+        for line in _python(code.format(fmt="json"), stderr=True).split("\n")
+        if line
+    ]
+    assert [e["level"] for e in events] == ["info", "error"]
+    assert events[0]["message"] == "two\nlines" and events[0]["logger"] == "pigeon_mta.test"
+    assert "ZeroDivisionError" in events[1]["error"]
+    assert events[0]["time"].endswith("Z") and isinstance(events[0]["pid"], int)
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    return env
+
+
+def _spawn(script: str, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO, env=_env())
+
+
+def _python(code: str, stderr: bool = False) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stderr if stderr else out.stdout
