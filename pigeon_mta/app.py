@@ -136,7 +136,13 @@ class Service(Protocol):
 
 def worker_services(settings: Settings, pool: asyncpg.Pool, url: str, index: int) -> list[Service]:
     """The services of one worker process, in start order (they stop in reverse order)."""
+    from pigeon_mta.outbound.engine import DeliveryEngine
+
     services: list[Service] = []
+    # First in, last out: the engine stops after the listeners, delivering what they queued.
+    services.append(
+        DeliveryEngine(settings, pool, listen=lambda: store_connect.connect(url, settings))
+    )
     return services
 
 
