@@ -52,10 +52,20 @@ class TransactionResult:
     reusable: bool  # the connection may carry another message
     reused: bool  # the transaction ran on a connection that had carried one before
 
+    @property
+    def stale_connection(self) -> bool:
+        """A reused connection was found dead before MAIL got a reply: nothing was sent, and a
+        fresh connection deserves the transaction."""
+        return self.reused and all(
+            r.stage == "mail" and isinstance(r.result, ConnectionError) for r in self.results
+        )
+
 
 def wire_message(body: bytes) -> bytes:
     """The message as sent after DATA: CRLF line ends, dot-stuffed (RFC 5321 4.5.2), final dot."""
-    if _BARE_LINE_END.search(body):
+    # Queued bodies normally have CRLF line ends already; counting is much cheaper than a regex.
+    crlf = body.count(b"\r\n")
+    if body.count(b"\n") != crlf or body.count(b"\r") != crlf:
         body = _BARE_LINE_END.sub(b"\r\n", body)
     if not body.endswith(b"\r\n"):
         body += b"\r\n"

@@ -105,6 +105,8 @@ class DeliveryEngine:
         self._stopping = asyncio.Event()
         self._room = asyncio.Event()
         self._active: set[asyncio.Task[None]] = set()
+        # Tasks still routing or waiting for their destination's limits: nothing sent yet.
+        self._not_started: set[asyncio.Task[None]] = set()
         self._held: dict[uuid.UUID, _Held] = {}
         self._data_sent: set[uuid.UUID] = set()
         self._pending: list[AttemptResult] = []
@@ -138,6 +140,9 @@ class DeliveryEngine:
             self.waker.wake()
         if self._claimer is not None:
             await self._finish(self._claimer, deadline - loop.time())
+        # Work that has not reached its SMTP transaction is handed back at once.
+        for task in self._not_started:
+            task.cancel()
         # In-flight transactions may finish until shortly before the deadline.
         reserve = min(STOP_RESERVE, max(0.0, deadline - loop.time()) / 4)
         active = set(self._active)
@@ -299,6 +304,9 @@ class DeliveryEngine:
 
     async def _process(self, delivery: Delivery) -> None:
         started_at = datetime.now(UTC)
+        task = asyncio.current_task()
+        assert task is not None
+        self._not_started.add(task)
         try:
             results = await self._deliver(delivery, started_at)
         except asyncio.CancelledError:
@@ -313,6 +321,8 @@ class DeliveryEngine:
                 0.0,
                 started_at,
             )
+        finally:
+            self._not_started.discard(task)
         self._submit(results)
 
     async def _deliver(self, delivery: Delivery, started_at: datetime) -> list[AttemptResult]:
@@ -332,6 +342,9 @@ class DeliveryEngine:
         if not isinstance(entered, Gate):
             await self._postpone(delivery, entered)
             return []
+        task = asyncio.current_task()
+        if task is not None:
+            self._not_started.discard(task)
         try:
             tx = await self._transaction(
                 delivery, route, policy.tls, policy.max_messages_per_connection
@@ -347,22 +360,25 @@ class DeliveryEngine:
         body = await self.sign(delivery)
         message = wire_message(body)
         started = asyncio.get_running_loop().time()
-        connected = await self.connections.connect(route, tls, self.router)
-        if isinstance(connected, NotConnected):
-            return not_connected(delivery.recipients, connected, started)
-        tx = await transact(
-            connected,
-            sender=delivery.sender,
-            recipients=delivery.recipients,
-            message=message,
-            command_timeout=self.delivery.command_timeout,
-            data_timeout=self.delivery.data_timeout,
-            started=started,
-            on_data_sent=self._data_sent.update,
-        )
-        await self.connections.release(
-            connected.connection, reusable=tx.reusable, max_messages=max_messages
-        )
+        for _ in range(2):
+            connected = await self.connections.connect(route, tls, self.router)
+            if isinstance(connected, NotConnected):
+                return not_connected(delivery.recipients, connected, started)
+            tx = await transact(
+                connected,
+                sender=delivery.sender,
+                recipients=delivery.recipients,
+                message=message,
+                command_timeout=self.delivery.command_timeout,
+                data_timeout=self.delivery.data_timeout,
+                started=started,
+                on_data_sent=self._data_sent.update,
+            )
+            await self.connections.release(
+                connected.connection, reusable=tx.reusable, max_messages=max_messages
+            )
+            if not tx.stale_connection:
+                break
         return tx
 
     async def _postpone(self, delivery: Delivery, seconds: float) -> None:

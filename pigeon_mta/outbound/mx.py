@@ -10,6 +10,7 @@ cache. Host addresses come from A and AAAA in the configured family order.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import random
@@ -81,6 +82,7 @@ def is_ip_literal(host: str) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=4096)
 def ascii_domain(domain: str) -> str:
     """The domain in A-label form (IDNA); raises ValueError for a name DNS cannot carry."""
     try:

@@ -33,6 +33,10 @@ MAX_ADDRESSES_TRIED = 10
 # After an opportunistic STARTTLS handshake failed with a host, go straight to plaintext for a
 # while instead of paying a failed handshake and a second connection for every message.
 TLS_BROKEN_MEMORY = 600.0
+# A connection idle longer than this is probed with RSET before it carries another message. One
+# used just now needs no probe: the reply to its final dot already reset the SMTP state
+# (RFC 5321 4.1.1.4), and should it have died meanwhile, the engine retries on a fresh connection.
+PROBE_AFTER_IDLE = 2.0
 
 
 @dataclass(frozen=True)
@@ -343,11 +347,7 @@ class ConnectionPool:
         while True:
             while slot.idle:
                 conn = slot.idle.pop()
-                if (
-                    self._expired(conn)
-                    or not conn.usable
-                    or not await conn.reset(self.options.command_timeout)
-                ):
+                if self._expired(conn) or not conn.usable or not await self._probe(conn):
                     self._discard(slot, conn)
                     continue
                 OUTBOUND_CONNECTION_REUSES.inc()
@@ -380,6 +380,11 @@ class ConnectionPool:
             slot.open -= 1
             conn.abort()
         await self._notify(slot)
+
+    async def _probe(self, conn: SmtpConnection) -> bool:
+        if time.monotonic() - conn.idle_since < PROBE_AFTER_IDLE:
+            return True
+        return await conn.reset(self.options.command_timeout)
 
     def _discard(self, slot: _Slot, conn: SmtpConnection) -> None:
         slot.open -= 1

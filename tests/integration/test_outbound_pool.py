@@ -169,3 +169,40 @@ async def test_graceful_stop_puts_unfinished_recipients_back_in_the_queue_at_onc
             None,
             True,
         )
+
+
+async def test_stop_hands_back_mail_waiting_for_its_destination_without_delay(
+    world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
+) -> None:
+    settings = world.settings(
+        db_url, throttle_wait=60, destination={"order.test": DestinationSettings(concurrency=1)}
+    )
+    await queue_many(pool, org_id, ["hang@order.test", "waiting@order.test"])
+    async with running_engine(settings, pool, db_url) as engine:
+        await world.sinks.wait_for(lambda: world.sinks.rcpt_commands["hang@order.test"])
+        await engine.stop(asyncio.get_running_loop().time() + 3)
+    rows = await pool.fetch("SELECT address, status, attempts FROM recipient ORDER BY address")
+    assert [tuple(r) for r in rows] == [
+        ("hang@order.test", "queued", 0),
+        ("waiting@order.test", "queued", 0),
+    ]
+    assert world.sinks.rcpt_commands["waiting@order.test"] == 0
+
+
+async def test_idle_connections_are_closed_after_the_idle_timeout(
+    world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
+) -> None:
+    settings = world.settings(db_url, idle_timeout=1)
+    await queue_many(pool, org_id, ["bob@order.test"])
+    async with running_engine(settings, pool, db_url) as engine:
+
+        async def delivered() -> bool:
+            return await count_status(pool, "delivered") == 1
+
+        await wait_until(delivered, 30, "a delivery")
+        assert engine.connections.open_connections == 1
+
+        async def closed() -> bool:
+            return engine.connections.open_connections == 0
+
+        await wait_until(closed, 30, "the idle connection to close")
