@@ -6,6 +6,7 @@ engine --(pooled SMTP connections)--> sink 127.0.0.2 (mx1.order.test)
 from __future__ import annotations
 
 import asyncio
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 from pigeon_mta.config import DestinationSettings
 from pigeon_mta.metrics import OUTBOUND_CONNECTION_REUSES, OUTBOUND_CONNECTIONS_OPEN
 from pigeon_mta.model import Envelope
+from pigeon_mta.outbound.pool import ConnectOptions, PoolKey, open_connection
 from pigeon_mta.store import queue
 from tests.integration.outbound_helpers import BODY, running_engine, wait_until
 from tests.peers.world import World, mail_world
@@ -206,3 +208,15 @@ async def test_idle_connections_are_closed_after_the_idle_timeout(
             return engine.connections.open_connections == 0
 
         await wait_until(closed, 30, "the idle connection to close")
+
+
+async def test_client_connections_set_tcp_nodelay(world: World) -> None:
+    options = ConnectOptions("pigeon.test", connect_timeout=5, command_timeout=5)
+    conn = await open_connection(
+        PoolKey("mx1.order.test", "127.0.0.2", world.port, "none"), options
+    )
+    try:
+        sock = conn.client.get_transport_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        await conn.quit()

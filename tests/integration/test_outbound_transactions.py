@@ -12,7 +12,9 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+from prometheus_client import REGISTRY
 
+from pigeon_mta.model import Delivery
 from pigeon_mta.outbound.classify import backoff_window
 from tests.integration.outbound_helpers import (
     attempts,
@@ -20,6 +22,7 @@ from tests.integration.outbound_helpers import (
     send,
     wait_attempts,
     wait_final,
+    wait_until,
 )
 from tests.peers.world import World, mail_world
 
@@ -141,3 +144,64 @@ async def test_a_deferral_whose_next_try_would_pass_max_age_expires_instead(
     [row] = await attempts(pool, qid)
     assert row["outcome"] == "expired" and row["enhanced_code"] == "4.4.3"
     assert row["next_attempt_at"] is None
+
+
+async def test_the_sign_step_decides_the_bytes_that_are_sent(
+    world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
+) -> None:
+    async def sign(delivery: Delivery) -> bytes:
+        return b"DKIM-Signature: v=1; test\r\n" + delivery.body
+
+    async with running_engine(world.settings(db_url), pool, db_url, sign=sign):
+        qid = await send(pool, org_id, "bob@order.test")
+        await wait_final(pool, qid)
+    [message] = world.sinks.messages
+    assert message.data.startswith(b"DKIM-Signature: v=1; test\r\nFrom: a@sender.test\r\n")
+
+
+async def test_outcomes_and_timings_are_counted_in_the_metrics(
+    world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
+) -> None:
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before = {
+        "delivered": sample("pigeon_deliveries_total", outcome="delivered"),
+        "bounced": sample("pigeon_deliveries_total", outcome="bounced"),
+        "attempts": sample("pigeon_delivery_attempt_seconds_count"),
+        "accept": sample("pigeon_accept_to_delivery_seconds_count"),
+    }
+    async with running_engine(world.settings(db_url), pool, db_url):
+        qid = await send(pool, org_id, "ok@order.test", "reject-rcpt@order.test")
+        await wait_final(pool, qid)
+    assert sample("pigeon_deliveries_total", outcome="delivered") - before["delivered"] == 1
+    assert sample("pigeon_deliveries_total", outcome="bounced") - before["bounced"] == 1
+    assert sample("pigeon_delivery_attempt_seconds_count") - before["attempts"] == 1
+    assert sample("pigeon_accept_to_delivery_seconds_count") - before["accept"] == 1
+
+
+async def test_a_transaction_longer_than_the_lease_keeps_its_claim(
+    world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
+) -> None:
+    world.sinks.slow_seconds = 4
+    async with running_engine(world.settings(db_url, lease=5), pool, db_url):
+        qid = await send(pool, org_id, "slow@order.test")
+
+        async def claimed() -> bool:
+            row = await pool.fetchrow("SELECT * FROM recipient WHERE message_id = $1", qid)
+            return row["status"] == "delivering"
+
+        await wait_until(claimed, 30, "the claim")
+        first = await pool.fetchval("SELECT lease_until FROM recipient WHERE message_id = $1", qid)
+
+        async def renewed() -> bool:
+            lease = await pool.fetchval(
+                "SELECT lease_until FROM recipient WHERE message_id = $1 AND status = 'delivering'",
+                qid,
+            )
+            return lease is not None and lease > first
+
+        await wait_until(renewed, 30, "a renewed lease")
+        assert await wait_final(pool, qid) == {"slow@order.test": "delivered"}
+    [row] = await attempts(pool, qid)
+    assert row["applied"]
