@@ -162,6 +162,8 @@ async def transact(
         response = await protocol.read_response(timeout=data_timeout)
         conn.transactions += 1
         finish(parse_reply(response.code, response.message), "dot", accepted)
+        if response.code == 421:
+            reusable = False  # the server is closing the connection (RFC 5321 3.8)
     except SMTP_ERRORS as exc:
         reusable = False
         conn.abort()

@@ -166,7 +166,15 @@ class DeliveryEngine:
         self._pending_event.set()
         if self._recorder is not None:
             await self._finish(self._recorder, deadline - loop.time())
-        await self._hand_back()
+        try:
+            # Handing back must not hang on an unreachable database past the deadline.
+            await asyncio.wait_for(self._hand_back(), max(2.0, deadline - loop.time()))
+        except TimeoutError:
+            log.error(
+                "delivery engine: could not hand back %d claimed recipient(s) in time; they "
+                "return to the queue when their lease runs out",
+                len(self._held),
+            )
         if self._renewer is not None:
             self._renewer.cancel()
             await asyncio.gather(self._renewer, return_exceptions=True)
@@ -294,6 +302,7 @@ class DeliveryEngine:
     def _spawn(self, delivery: Delivery) -> None:
         task = asyncio.create_task(self._process(delivery), name="delivery")
         self._active.add(task)
+        self._not_started.add(task)
         task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task[None]) -> None:
@@ -305,8 +314,6 @@ class DeliveryEngine:
     async def _process(self, delivery: Delivery) -> None:
         started_at = datetime.now(UTC)
         task = asyncio.current_task()
-        assert task is not None
-        self._not_started.add(task)
         try:
             results = await self._deliver(delivery, started_at)
         except asyncio.CancelledError:
@@ -322,7 +329,8 @@ class DeliveryEngine:
                 started_at,
             )
         finally:
-            self._not_started.discard(task)
+            if task is not None:
+                self._not_started.discard(task)
         self._submit(results)
 
     async def _deliver(self, delivery: Delivery, started_at: datetime) -> list[AttemptResult]:
@@ -388,8 +396,8 @@ class DeliveryEngine:
         try:
             await store_throttle.postpone_claims(self.pool, ids, owner=self.owner, until=until)
         except DB_ERRORS as exc:
+            # No longer renewed, the claim runs out and the lease sweeper queues them again.
             log.warning("could not postpone throttled recipients: %s", exc)
-            return
         for rid in ids:
             self._held.pop(rid, None)
 

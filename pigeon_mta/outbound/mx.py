@@ -161,13 +161,16 @@ class Router:
         static = self.static_route(domain)
         if static is not None:
             return static
+        if domain.startswith("[") and domain.endswith("]"):
+            # An address literal (user@[192.0.2.1], user@[IPv6:2001:db8::1]) names the host.
+            literal = domain[1:-1].removeprefix("IPv6:").removeprefix("ipv6:")
+            if not is_ip_literal(literal):
+                return RouteFailure(Reply(0, "5.1.2", f"{domain} is not a valid address literal"))
+            return Route(f"mx:{domain}", "implicit-mx", (Hop(literal, self._delivery.port),))
         try:
             name = ascii_domain(domain)
         except ValueError as exc:
             return RouteFailure(Reply(0, "5.1.2", str(exc)))
-        if is_ip_literal(name.strip("[]")):
-            # An address literal (user@[192.0.2.1]) names the host itself.
-            return Route(f"mx:{name}", "implicit-mx", (Hop(name.strip("[]"), self._delivery.port),))
         try:
             answer = await self._resolver.resolve(name, "MX", search=False, lifetime=self._timeout)
         except dns.resolver.NXDOMAIN:

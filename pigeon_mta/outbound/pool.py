@@ -37,6 +37,8 @@ TLS_BROKEN_MEMORY = 600.0
 # used just now needs no probe: the reply to its final dot already reset the SMTP state
 # (RFC 5321 4.1.1.4), and should it have died meanwhile, the engine retries on a fresh connection.
 PROBE_AFTER_IDLE = 2.0
+# How long a polite QUIT may take before the connection is simply closed.
+QUIT_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -277,6 +279,7 @@ class ConnectionPool:
         self._reaper: asyncio.Task[None] | None = None
         self._closing = False
         self._busy: set[SmtpConnection] = set()
+        self._quitting: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------ walking a route
 
@@ -374,12 +377,18 @@ class ConnectionPool:
             conn.idle_since = time.monotonic()
             slot.idle.append(conn)
         elif conn.usable and reusable:
+            # Said goodbye in the background: a peer slow to answer QUIT holds up nothing.
             slot.open -= 1
-            await conn.quit(self.options.command_timeout)
+            self._spawn_quit(conn)
         else:
             slot.open -= 1
             conn.abort()
         await self._notify(slot)
+
+    def _spawn_quit(self, conn: SmtpConnection) -> None:
+        task = asyncio.create_task(conn.quit(QUIT_TIMEOUT), name="smtp-quit")
+        self._quitting.add(task)
+        task.add_done_callback(self._quitting.discard)
 
     async def _probe(self, conn: SmtpConnection) -> bool:
         if time.monotonic() - conn.idle_since < PROBE_AFTER_IDLE:
@@ -418,7 +427,7 @@ class ConnectionPool:
                 for conn in stale:
                     slot.idle.remove(conn)
                     slot.open -= 1
-                    await conn.quit(min(5.0, self.options.command_timeout))
+                    self._spawn_quit(conn)
 
     @property
     def open_connections(self) -> int:
@@ -435,4 +444,4 @@ class ConnectionPool:
         for slot in self._slots.values():
             slot.open -= len(slot.idle)
             slot.idle.clear()
-        await asyncio.gather(*(c.quit(2.0) for c in idle), return_exceptions=True)
+        await asyncio.gather(*(c.quit(2.0) for c in idle), *self._quitting, return_exceptions=True)

@@ -106,3 +106,13 @@ async def test_dns_answers_that_stop_delivery(
     assert row["enhanced_code"] == enhanced and text in row["response"]
     assert row["outcome"] == ("bounced" if status == "bounced" else "deferred")
     assert world.sinks.messages == []
+
+
+async def test_an_address_literal_is_delivered_to_that_address_without_dns(
+    world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
+) -> None:
+    async with running_engine(world.settings(db_url), pool, db_url):
+        qid = await send(pool, org_id, "bob@[127.0.0.3]")
+        assert await wait_final(pool, qid) == {"bob@[127.0.0.3]": "delivered"}
+    assert [m.sink for m in world.sinks.messages] == ["127.0.0.3"]
+    assert sum(world.dns.queries.values()) == 0
