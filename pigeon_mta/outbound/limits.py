@@ -102,6 +102,10 @@ class Gate:
         self.in_flight = 0
 
 
+# Gates kept before idle ones are forgotten.
+MAX_IDLE_GATES = 10000
+
+
 def _limits(policy: DestinationPolicy) -> tuple[int, float, int]:
     return policy.concurrency, policy.rate, policy.burst
 
@@ -115,9 +119,18 @@ class Gates:
     def get(self, policy: DestinationPolicy) -> Gate:
         gate = self._gates.get(policy.key)
         if gate is None or _limits(gate.policy) != _limits(policy):
+            if len(self._gates) >= MAX_IDLE_GATES:
+                self._forget_idle()
             gate = Gate(policy)
             self._gates[policy.key] = gate
         return gate
+
+    def _forget_idle(self) -> None:
+        """Drop gates nobody is using (one per destination ever seen would only grow). A
+        forgotten bucket starts full again, which its idle time would mostly have refilled."""
+        for key, gate in list(self._gates.items()):
+            if gate.in_flight == 0 and not gate.slots.locked():
+                del self._gates[key]
 
     async def enter(self, policy: DestinationPolicy, max_wait: float) -> Gate | float:
         """Wait for a slot and a token; returns the Gate (call `leave`), or, when that would take

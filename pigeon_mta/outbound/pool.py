@@ -428,6 +428,12 @@ class ConnectionPool:
                     slot.idle.remove(conn)
                     slot.open -= 1
                     self._spawn_quit(conn)
+            # Forget hosts with nothing open, and expired memories of broken TLS.
+            for key in [k for k, slot in self._slots.items() if slot.open == 0]:
+                del self._slots[key]
+            now = time.monotonic()
+            for host in [h for h, until in self._tls_broken.items() if until < now]:
+                del self._tls_broken[host]
 
     @property
     def open_connections(self) -> int:

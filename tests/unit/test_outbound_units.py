@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pigeon_mta.config import DeliverySettings, DestinationSettings
+from pigeon_mta.outbound import limits
 from pigeon_mta.outbound.attempt import wire_message
 from pigeon_mta.outbound.limits import TokenBucket, policy_for
 from pigeon_mta.outbound.mx import Hop, Route, ascii_domain
@@ -94,3 +95,14 @@ def test_ascii_domain_uses_idna() -> None:
     assert ascii_domain("Bücher.Example") == "xn--bcher-kva.example"
     with pytest.raises(ValueError):
         ascii_domain("a" * 64 + ".example")
+
+
+def test_idle_gates_are_forgotten_when_there_are_too_many(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(limits, "MAX_IDLE_GATES", 2)
+    gates = limits.Gates()
+    delivery = DeliverySettings()
+    busy = gates.get(policy_for(delivery, "a.example", route("a.example", "mx.a.example")))
+    busy.in_flight = 1
+    gates.get(policy_for(delivery, "b.example", route("b.example", "mx.b.example")))
+    gates.get(policy_for(delivery, "c.example", route("c.example", "mx.c.example")))
+    assert sorted(gates._gates) == ["mx:a.example", "mx:c.example"]
