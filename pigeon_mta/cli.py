@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from pigeon_mta import __version__
+from pigeon_mta.app import use_uvloop
 from pigeon_mta.commands import dkim, log, orgs, queue, service, suppress
 from pigeon_mta.commands.common import CliError, eprint
 from pigeon_mta.config import ConfigError
@@ -38,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.get("PIGEON_LOG_LEVEL", "info" if args.command == "serve" else "warning")
     )
     try:
-        _use_uvloop()
+        use_uvloop()
         return int(asyncio.run(args.handler(args)) or 0)
     except ConfigError as exc:
         eprint(f"pigeon-mta: config error: {exc}")
@@ -52,13 +53,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader went away (`pigeon-mta log X --json | head`): not worth a traceback.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_ERROR
-
-
-def _use_uvloop() -> None:
-    if sys.platform == "win32" or os.environ.get("PIGEON_NO_UVLOOP"):
-        return
-    try:
-        import uvloop
-    except ImportError:
-        return
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())

@@ -174,8 +174,32 @@ class LimitsSettings:
     data_timeout: Duration = Duration(600)
 
 
+# TLS policy towards a destination (see DeliverySettings.tls).
+TlsPolicy = Literal["none", "opportunistic", "required", "verify"]
+IpPreference = Literal["ipv4", "ipv6", "ipv4-only", "ipv6-only"]
+
+
+@dataclass(frozen=True)
+class DestinationSettings:
+    """One [delivery.destination."PATTERN"] entry; a zero or empty value means "the default"."""
+
+    # TLS policy for this destination ("" uses delivery.tls).
+    tls: Literal["", "none", "opportunistic", "required", "verify"] = ""
+    # Transactions in flight at once to this destination, per process (0: destination_concurrency).
+    concurrency: int = 0
+    # Messages per second to this destination, per process, as a token bucket (0: no limit).
+    rate: float = 0.0
+    # Messages the bucket lets through at once after a quiet spell (0: one second's worth).
+    burst: int = 0
+    # Messages per connection (0: delivery.max_messages_per_connection).
+    max_messages_per_connection: int = 0
+
+
 @dataclass(frozen=True)
 class DeliverySettings:
+    # false: this node accepts and queues but delivers nothing (an accept-only node in a
+    # scaled-out setup, or a pause during maintenance); other nodes deliver what it queues.
+    enabled: bool = True
     port: int = 25
     retry_initial: Duration = Duration(300)
     retry_max: Duration = Duration(3600)
@@ -189,11 +213,55 @@ class DeliverySettings:
     poll_interval: Duration = Duration(1)
     # How often the lease sweeper and expiry run.
     sweep_interval: Duration = Duration(10)
+    # SMTP transactions one worker process has in flight at once, across all destinations.
+    concurrency: int = 100
+    # Transactions one process runs at once to one destination (a recipient domain, the relayhost,
+    # or what a [delivery.destination] pattern groups), unless that entry says otherwise.
+    destination_concurrency: int = 20
+    # Open connections one process keeps to one MX host address (host, IP, port and TLS mode).
+    max_connections_per_host: int = 20
+    # Messages sent over one connection before it is closed and a fresh one opened.
+    max_messages_per_connection: int = 100
+    # A pooled connection idle this long is closed (with QUIT).
+    idle_timeout: Duration = Duration(30)
+    # TCP connect plus the server's greeting.
+    connect_timeout: Duration = Duration(30)
+    # Each reply to EHLO, STARTTLS, AUTH, MAIL, RCPT, RSET and DATA (RFC 5321 4.5.3.2: 5 minutes).
+    command_timeout: Duration = Duration(300)
+    # The reply to the final dot (RFC 5321 4.5.3.2.6: 10 minutes).
+    data_timeout: Duration = Duration(600)
+    # TLS to MX hosts: none (never STARTTLS) | opportunistic (STARTTLS when offered; if the
+    # handshake fails, a new plaintext connection) | required (STARTTLS or no delivery, any
+    # certificate) | verify (STARTTLS with a certificate valid for the MX host name).
+    tls: TlsPolicy = "opportunistic"
+    # CA bundle (PEM) that `verify` trusts; empty means the system's trust store.
+    tls_ca_file: str = ""
+    # Address family order for MX hosts: ipv4 | ipv6 (that family first, then the other) |
+    # ipv4-only | ipv6-only.
+    ip_preference: IpPreference = "ipv4"
+    # SMTP AUTH at the relayhost (both or neither). AUTH is sent only over TLS, so it needs
+    # relayhost_tls = "required" or "verify".
+    relayhost_username: str = ""
+    relayhost_password: str = ""
+    # TLS policy for the relayhost (same choices as `tls`).
+    relayhost_tls: TlsPolicy = "opportunistic"
+    # A delivery that would wait longer than this for its destination's concurrency or rate limit
+    # goes back to the queue until the destination has room (not counted as an attempt).
+    throttle_wait: Duration = Duration(5)
+    # Per-destination policy, keyed by a recipient domain or a shell-style pattern matched against
+    # the recipient domain and the names of its MX hosts ("*.google.com" groups every domain that
+    # Google hosts). See DestinationSettings.
+    destination: dict[str, DestinationSettings] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class DnsSettings:
     nameservers: tuple[str, ...] = ()
+    # How long one lookup may take (every nameserver, retries included) before it counts as a
+    # temporary failure.
+    timeout: Duration = Duration(10)
+    # Answers kept in the TTL cache (least recently used are dropped first).
+    cache_size: int = 10000
 
 
 @dataclass(frozen=True)
@@ -418,6 +486,7 @@ def _check(settings: Settings) -> None:
         raise ConfigError("'delivery.batch_size' must be at least 1")
     if delivery.relayhost:
         _check_host_port(delivery.relayhost, "delivery.relayhost", default_port=25)
+    _check_outbound(delivery)
     for domain, target in delivery.routes.items():
         _check_host_port(target, f"delivery.routes.{domain}", default_port=25)
     for i, ns in enumerate(settings.dns.nameservers):
@@ -429,6 +498,32 @@ def _check(settings: Settings) -> None:
             ) from None
     if settings.database.pool_size < 1:
         raise ConfigError("'database.pool_size' must be at least 1")
+
+
+def _check_outbound(delivery: DeliverySettings) -> None:
+    for key in (
+        "concurrency",
+        "destination_concurrency",
+        "max_connections_per_host",
+        "max_messages_per_connection",
+    ):
+        if getattr(delivery, key) < 1:
+            raise ConfigError(f"'delivery.{key}' must be at least 1")
+    for key in ("connect_timeout", "command_timeout", "data_timeout"):
+        if getattr(delivery, key) <= 0:
+            raise ConfigError(f"'delivery.{key}' must be more than zero")
+    if bool(delivery.relayhost_username) != bool(delivery.relayhost_password):
+        raise ConfigError(
+            "set both 'delivery.relayhost_username' and 'delivery.relayhost_password', or neither"
+        )
+    if delivery.relayhost_username and delivery.relayhost_tls not in ("required", "verify"):
+        raise ConfigError(
+            "'delivery.relayhost_tls' must be required or verify when relayhost_username is set "
+            "(a password is never sent in plaintext)"
+        )
+    for pattern, dest in delivery.destination.items():
+        if dest.rate < 0:
+            raise ConfigError(f"'delivery.destination.{pattern}.rate' must not be negative")
 
 
 def _check_host_port(value: str, key: str, default_port: int) -> None:

@@ -333,13 +333,16 @@ async def expire_old_recipients(
 
 # ---------------------------------------------------------------- retention
 
-# Message ids are UUIDv7, so "received before the cutoff" is a range of the primary key. Only
-# messages none of whose recipients is still queued or being delivered are purged; recipients go
-# with their message (ON DELETE CASCADE), attempts by message id.
+# Message ids are UUIDv7, so "received before the cutoff" is a range of the primary key, which
+# the index serves; received_at decides, so that a row whose id is not time-ordered (made by hand
+# or by another tool) is never purged early. Only messages none of whose recipients is still
+# queued or being delivered are purged; recipients go with their message (ON DELETE CASCADE),
+# attempts by message id.
 _PURGE = """
 WITH old AS (
     SELECT m.id FROM message m
     WHERE m.id < $1
+      AND m.received_at < now() - make_interval(secs => $3)
       AND NOT EXISTS (SELECT 1 FROM recipient r
                       WHERE r.message_id = m.id AND r.status IN ('queued', 'delivering'))
     ORDER BY m.id
@@ -356,7 +359,7 @@ RETURNING id
 async def purge_finished_messages(db: Executor, *, older_than: float, limit: int = 1000) -> int:
     """Delete up to `limit` finished messages received more than `older_than` seconds ago."""
     cutoff = id_floor(time.time() - older_than)
-    return len(await db.fetch(_PURGE, cutoff, limit))
+    return len(await db.fetch(_PURGE, cutoff, limit, float(older_than)))
 
 
 def id_floor(unix_time: float) -> uuid.UUID:

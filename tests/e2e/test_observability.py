@@ -59,6 +59,8 @@ url = "{db_url}"
 listen = "127.0.0.1:{port}"
 stats_interval = "1s"
 [delivery]
+# Accept-only node: the seeded queue stays as seeded, so the gauges can be compared with it.
+enabled = false
 max_age = "1h"
 sweep_interval = "1s"
 [log]

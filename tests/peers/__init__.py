@@ -1,0 +1,1 @@
+"""Real peers that tests run on loopback: an authoritative DNS server, SMTP sinks, a test CA."""

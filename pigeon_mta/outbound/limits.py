@@ -1,0 +1,156 @@
+"""Per-destination policy and traffic shaping: TLS policy, concurrency limit, token-bucket rate.
+
+A destination is what a `[delivery.destination."PATTERN"]` entry groups (a domain, or every domain
+whose MX hosts match a pattern such as "*.google.com": traffic is shaped by the site that receives
+it, not by the recipient's domain name), else the route itself (one recipient domain, a static
+route, or the relayhost). Limits hold per worker process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pigeon_mta.config import DeliverySettings, DestinationSettings, TlsPolicy
+from pigeon_mta.outbound.mx import Route
+
+
+@dataclass(frozen=True)
+class DestinationPolicy:
+    key: str  # everything with the same key shares one concurrency limit and one bucket
+    tls: TlsPolicy
+    concurrency: int
+    rate: float  # messages per second; 0 means unlimited
+    burst: int
+    max_messages_per_connection: int
+
+
+def policy_for(delivery: DeliverySettings, domain: str, route: Route) -> DestinationPolicy:
+    """The policy of the most specific `[delivery.destination]` entry that matches, else defaults.
+
+    An exact domain wins; then the longest pattern matching the domain; then the longest pattern
+    matching one of the route's host names.
+    """
+    domain = domain.lower()
+    chosen: tuple[str, DestinationSettings] | None = None
+    entries = {pattern.lower(): dest for pattern, dest in delivery.destination.items()}
+    if domain in entries:
+        chosen = (domain, entries[domain])
+    else:
+        for names in ((domain,), route.host_names):
+            matches = [
+                pattern
+                for pattern in entries
+                if any(fnmatch.fnmatchcase(name.lower(), pattern) for name in names)
+            ]
+            if matches:
+                best = max(matches, key=len)
+                chosen = (best, entries[best])
+                break
+    dest = chosen[1] if chosen else DestinationSettings()
+    # The relayhost's own TLS setting wins; else the entry's, else delivery.tls.
+    tls: TlsPolicy = route.tls if route.tls is not None else (dest.tls or delivery.tls)
+    return DestinationPolicy(
+        key=f"pattern:{chosen[0]}" if chosen else route.destination,
+        tls=tls,
+        concurrency=dest.concurrency or delivery.destination_concurrency,
+        rate=dest.rate,
+        burst=dest.burst or max(1, int(dest.rate)),
+        max_messages_per_connection=dest.max_messages_per_connection
+        or delivery.max_messages_per_connection,
+    )
+
+
+class TokenBucket:
+    """`rate` tokens a second, at most `burst` saved up. A reservation may run the bucket into
+    debt; the caller then waits the returned time (or gives the token back with `refund`)."""
+
+    def __init__(
+        self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.rate = rate
+        self.burst = max(1, burst)
+        self._clock = clock
+        self._tokens = float(self.burst)
+        self._at = clock()
+
+    def reserve(self) -> float:
+        """Take a token; returns how many seconds until it is really there (0: at once)."""
+        if self.rate <= 0:
+            return 0.0
+        now = self._clock()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        self._tokens -= 1.0
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
+
+    def refund(self) -> None:
+        if self.rate > 0:
+            self._tokens = min(float(self.burst), self._tokens + 1.0)
+
+
+class Gate:
+    """A destination's concurrency limit and rate bucket."""
+
+    def __init__(self, policy: DestinationPolicy) -> None:
+        self.policy = policy
+        self.slots = asyncio.Semaphore(policy.concurrency)
+        self.bucket = TokenBucket(policy.rate, policy.burst)
+        self.in_flight = 0
+
+
+# Gates kept before idle ones are forgotten.
+MAX_IDLE_GATES = 10000
+
+
+def _limits(policy: DestinationPolicy) -> tuple[int, float, int]:
+    return policy.concurrency, policy.rate, policy.burst
+
+
+class Gates:
+    """One Gate per destination key, made on first use (and rebuilt if its policy changed)."""
+
+    def __init__(self) -> None:
+        self._gates: dict[str, Gate] = {}
+
+    def get(self, policy: DestinationPolicy) -> Gate:
+        gate = self._gates.get(policy.key)
+        if gate is None or _limits(gate.policy) != _limits(policy):
+            if len(self._gates) >= MAX_IDLE_GATES:
+                self._forget_idle()
+            gate = Gate(policy)
+            self._gates[policy.key] = gate
+        return gate
+
+    def _forget_idle(self) -> None:
+        """Drop gates nobody is using (one per destination ever seen would only grow). A
+        forgotten bucket starts full again, which its idle time would mostly have refilled."""
+        for key, gate in list(self._gates.items()):
+            if gate.in_flight == 0 and not gate.slots.locked():
+                del self._gates[key]
+
+    async def enter(self, policy: DestinationPolicy, max_wait: float) -> Gate | float:
+        """Wait for a slot and a token; returns the Gate (call `leave`), or, when that would take
+        longer than `max_wait`, the seconds after which the destination should have room."""
+        gate = self.get(policy)
+        wait = gate.bucket.reserve()
+        if wait > max_wait:
+            gate.bucket.refund()
+            return wait
+        if wait > 0:
+            await asyncio.sleep(wait)
+        try:
+            await asyncio.wait_for(gate.slots.acquire(), max_wait)
+        except TimeoutError:
+            gate.bucket.refund()
+            return max(1.0, max_wait)
+        gate.in_flight += 1
+        return gate
+
+    @staticmethod
+    def leave(gate: Gate) -> None:
+        gate.in_flight -= 1
+        gate.slots.release()

@@ -1,0 +1,252 @@
+"""Routing: where mail for a domain goes — static routes, the relayhost, else MX through DNS.
+
+Static routes and the relayhost override DNS. Otherwise the domain (IDNA-encoded first) is looked
+up: MX hosts in preference order with equal preferences shuffled, at most five; no MX means the
+domain itself (implicit MX, RFC 5321 5.1); a null MX (RFC 7505) and NXDOMAIN are permanent; SERVFAIL
+and timeouts are temporary. Answers, negative ones included, are cached for their TTL by dnspython's
+cache. Host addresses come from A and AAAA in the configured family order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import ipaddress
+import logging
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+import dns.asyncresolver
+import dns.exception
+import dns.name
+import dns.nameserver
+import dns.rdatatype
+import dns.resolver
+
+from pigeon_mta.config import (
+    IpPreference,
+    Settings,
+    TlsPolicy,
+    nameserver_address,
+    route_target,
+)
+from pigeon_mta.model import Reply
+
+log = logging.getLogger(__name__)
+
+# RFC 5321 5.1 leaves the number of MX hosts to try open; five is what Postfix tries by default,
+# enough for real redundancy without letting one domain hold a delivery for long.
+MAX_MX_HOSTS = 5
+
+RouteKind = Literal["mx", "implicit-mx", "route", "relayhost"]
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One host to try: a name (or an IP literal) and a port."""
+
+    host: str
+    port: int
+    preference: int = 0
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a domain's mail goes: hosts to try in order, and how to talk to them."""
+
+    destination: str  # groups mail that goes to the same place: "mx:example.com", "relayhost", ...
+    kind: RouteKind
+    hops: tuple[Hop, ...]
+    tls: TlsPolicy | None = None  # set for the relayhost; else the destination policy decides
+    username: str = ""
+    password: str = ""
+
+    @property
+    def host_names(self) -> tuple[str, ...]:
+        return tuple(h.host for h in self.hops)
+
+
+@dataclass(frozen=True)
+class RouteFailure:
+    """No route: a local finding (code 0) whose enhanced code says temporary (4.x) or not (5.x)."""
+
+    reply: Reply
+
+
+def is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=4096)
+def ascii_domain(domain: str) -> str:
+    """The domain in A-label form (IDNA); raises ValueError for a name DNS cannot carry."""
+    try:
+        return dns.name.from_text(domain.rstrip(".").lower()).to_text(omit_final_dot=True)
+    except (dns.exception.DNSException, UnicodeError) as exc:
+        raise ValueError(f"{domain!r} is not a valid domain name: {exc}") from None
+
+
+def make_resolver(settings: Settings) -> dns.asyncresolver.Resolver:
+    """dnspython's async resolver: the configured nameservers (or the system's), with a TTL cache."""
+    if settings.dns.nameservers:
+        resolver = dns.asyncresolver.Resolver(configure=False)
+        resolver.nameservers = [
+            dns.nameserver.Do53Nameserver(addr.host, addr.port)
+            for addr in map(nameserver_address, settings.dns.nameservers)
+        ]
+    else:
+        resolver = dns.asyncresolver.Resolver()
+    resolver.cache = dns.resolver.LRUCache(max(1, settings.dns.cache_size))
+    resolver.lifetime = settings.dns.timeout
+    resolver.timeout = min(settings.dns.timeout, 2.0)  # per nameserver try, before the next
+    return resolver
+
+
+class Router:
+    def __init__(
+        self,
+        settings: Settings,
+        resolver: dns.asyncresolver.Resolver | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._delivery = settings.delivery
+        self._resolver = resolver or make_resolver(settings)
+        self._rng = rng or random.Random()
+        self._timeout = settings.dns.timeout
+        self._preference: IpPreference = settings.delivery.ip_preference
+        self._routes = {
+            self._normalize(domain): route_target(target, default_port=25)
+            for domain, target in settings.delivery.routes.items()
+        }
+        self._relayhost = (
+            route_target(settings.delivery.relayhost, default_port=25)
+            if settings.delivery.relayhost
+            else None
+        )
+
+    @staticmethod
+    def _normalize(domain: str) -> str:
+        try:
+            return ascii_domain(domain)
+        except ValueError:
+            return domain.lower()
+
+    def static_route(self, domain: str) -> Route | None:
+        """The route given by config for `domain` (no DNS needed), if any."""
+        target = self._routes.get(self._normalize(domain))
+        if target is not None:
+            return Route(
+                destination=f"route:{target}",
+                kind="route",
+                hops=(Hop(target.host, target.port),),
+            )
+        if self._relayhost is not None:
+            return Route(
+                destination="relayhost",
+                kind="relayhost",
+                hops=(Hop(self._relayhost.host, self._relayhost.port),),
+                tls=self._delivery.relayhost_tls,
+                username=self._delivery.relayhost_username,
+                password=self._delivery.relayhost_password,
+            )
+        return None
+
+    async def route(self, domain: str) -> Route | RouteFailure:
+        """Where mail for `domain` goes: static route, relayhost, or its MX hosts."""
+        static = self.static_route(domain)
+        if static is not None:
+            return static
+        if domain.startswith("[") and domain.endswith("]"):
+            # An address literal (user@[192.0.2.1], user@[IPv6:2001:db8::1]) names the host.
+            literal = domain[1:-1].removeprefix("IPv6:").removeprefix("ipv6:")
+            if not is_ip_literal(literal):
+                return RouteFailure(Reply(0, "5.1.2", f"{domain} is not a valid address literal"))
+            return Route(f"mx:{domain}", "implicit-mx", (Hop(literal, self._delivery.port),))
+        try:
+            name = ascii_domain(domain)
+        except ValueError as exc:
+            return RouteFailure(Reply(0, "5.1.2", str(exc)))
+        try:
+            answer = await self._resolver.resolve(name, "MX", search=False, lifetime=self._timeout)
+        except dns.resolver.NXDOMAIN:
+            return RouteFailure(Reply(0, "5.1.2", f"domain {name} does not exist (NXDOMAIN)"))
+        except dns.resolver.NoAnswer:
+            return await self._implicit_mx(name)
+        except dns.exception.DNSException as exc:
+            return RouteFailure(
+                Reply(0, "4.4.3", f"MX lookup for {name} failed: {_dns_error(exc)}")
+            )
+        records = [(r.preference, r.exchange) for r in answer]
+        real = [(p, x) for p, x in records if x != dns.name.root]
+        if not real:
+            # RFC 7505: a null MX says the domain accepts no mail at all.
+            return RouteFailure(
+                Reply(0, "5.1.10", f"domain {name} accepts no mail (null MX, RFC 7505)")
+            )
+        # Equal preferences are shuffled (RFC 5321 5.1) to spread load over peer hosts.
+        self._rng.shuffle(real)
+        real.sort(key=lambda item: item[0])
+        hops = tuple(
+            Hop(x.to_text(omit_final_dot=True).lower(), self._delivery.port, p)
+            for p, x in real[:MAX_MX_HOSTS]
+        )
+        return Route(f"mx:{name}", "mx", hops)
+
+    async def _implicit_mx(self, name: str) -> Route | RouteFailure:
+        # RFC 5321 5.1: with no MX records the domain itself is the host, if it has an address.
+        found = await self.addresses(name)
+        if isinstance(found, RouteFailure):
+            return found
+        return Route(f"mx:{name}", "implicit-mx", (Hop(name, self._delivery.port),))
+
+    async def addresses(self, host: str) -> list[str] | RouteFailure:
+        """The IP addresses of `host` in the configured family order."""
+        if is_ip_literal(host):
+            return [host]
+        families: list[str] = {
+            "ipv4": ["A", "AAAA"],
+            "ipv6": ["AAAA", "A"],
+            "ipv4-only": ["A"],
+            "ipv6-only": ["AAAA"],
+        }[self._preference]
+        answers = await asyncio.gather(*(self._lookup(host, rdtype) for rdtype in families))
+        found: list[str] = []
+        errors: list[str] = []
+        missing = 0
+        for result in answers:
+            if isinstance(result, list):
+                found.extend(result)
+            elif result is None:
+                missing += 1
+            else:
+                errors.append(result)
+        if found:
+            return found
+        if errors:
+            return RouteFailure(Reply(0, "4.4.3", f"address lookup for {host} failed: {errors[0]}"))
+        return RouteFailure(Reply(0, "5.1.2", f"host {host} has no {' or '.join(families)} record"))
+
+    async def _lookup(self, host: str, rdtype: str) -> list[str] | str | None:
+        """Addresses; None when the name has none of this type; an error text when DNS failed."""
+        try:
+            answer = await self._resolver.resolve(
+                host, rdtype, search=False, lifetime=self._timeout
+            )
+        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
+            return None
+        except dns.exception.DNSException as exc:
+            return _dns_error(exc)
+        return [r.address for r in answer]
+
+
+def _dns_error(exc: dns.exception.DNSException) -> str:
+    if isinstance(exc, dns.resolver.NoNameservers):
+        return "no nameserver answered (SERVFAIL or refused)"
+    if isinstance(exc, dns.exception.Timeout):
+        return "timed out"
+    return str(exc) or type(exc).__name__

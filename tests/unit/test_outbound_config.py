@@ -1,0 +1,82 @@
+"""The outbound settings: per-destination tables, TLS policies, relayhost AUTH rules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pigeon_mta.config import ConfigError, DestinationSettings, load_settings
+
+
+def test_destination_tables_and_outbound_keys(tmp_path: Path) -> None:
+    settings = load_settings(
+        _write(
+            tmp_path,
+            """
+[delivery]
+tls = "verify"
+ip_preference = "ipv6"
+concurrency = 50
+idle_timeout = "10s"
+[delivery.destination."*.google.com"]
+concurrency = 5
+rate = 2.5
+burst = 10
+[delivery.destination."partner.example"]
+tls = "none"
+[dns]
+nameservers = ["127.0.0.1:5353"]
+timeout = "3s"
+""",
+        ),
+        env={},
+    )
+    delivery = settings.delivery
+    assert (delivery.tls, delivery.ip_preference, delivery.concurrency) == ("verify", "ipv6", 50)
+    assert delivery.idle_timeout == 10
+    assert delivery.destination == {
+        "*.google.com": DestinationSettings(concurrency=5, rate=2.5, burst=10),
+        "partner.example": DestinationSettings(tls="none"),
+    }
+    assert settings.dns.timeout == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('[delivery]\ntls = "sometimes"', "'delivery.tls'"),
+        ('[delivery.destination."x.example"]\nspeed = 3', "'delivery.destination.x.example.speed'"),
+        ('[delivery.destination."x.example"]\ntls = "maybe"', "delivery.destination.x.example.tls"),
+        ("[delivery]\nconcurrency = 0", "'delivery.concurrency' must be at least 1"),
+        ('[delivery]\nrelayhost_username = "u"', "relayhost_password"),
+        (
+            '[delivery]\nrelayhost = "smtp.example:587"\nrelayhost_username = "u"\n'
+            'relayhost_password = "p"',
+            "never sent in plaintext",
+        ),
+        ('[delivery]\nip_preference = "ipv5"', "'delivery.ip_preference'"),
+    ],
+)
+def test_mistakes_name_their_key(tmp_path: Path, text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(_write(tmp_path, text), env={})
+    assert expected in str(info.value)
+
+
+def test_relayhost_auth_over_required_tls_is_accepted(tmp_path: Path) -> None:
+    settings = load_settings(
+        _write(
+            tmp_path,
+            '[delivery]\nrelayhost = "smtp.example:587"\nrelayhost_username = "u"\n'
+            'relayhost_password = "p"\nrelayhost_tls = "required"\n',
+        ),
+        env={},
+    )
+    assert settings.delivery.relayhost_tls == "required"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "pigeon.toml"
+    path.write_text(text)
+    return path

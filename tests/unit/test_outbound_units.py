@@ -1,0 +1,108 @@
+"""Small pure pieces of the outbound side: wire format, token bucket, destination policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from pigeon_mta.config import DeliverySettings, DestinationSettings
+from pigeon_mta.outbound import limits
+from pigeon_mta.outbound.attempt import wire_message
+from pigeon_mta.outbound.limits import TokenBucket, policy_for
+from pigeon_mta.outbound.mx import Hop, Route, ascii_domain
+
+
+@pytest.mark.parametrize(
+    ("body", "wire"),
+    [
+        (b"a\r\nb\r\n", b"a\r\nb\r\n.\r\n"),
+        (b"a\nb", b"a\r\nb\r\n.\r\n"),
+        (b".hidden\r\n.\r\n..x\r\n", b"..hidden\r\n..\r\n...x\r\n.\r\n"),
+        (b"x\r\n.\r\nend", b"x\r\n..\r\nend\r\n.\r\n"),
+    ],
+)
+def test_wire_message_ends_lines_with_crlf_and_stuffs_dots(body: bytes, wire: bytes) -> None:
+    assert wire_message(body) == wire
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_token_bucket_allows_a_burst_then_the_rate() -> None:
+    clock = Clock()
+    bucket = TokenBucket(rate=2, burst=3, clock=clock)
+    assert [bucket.reserve() for _ in range(3)] == [0, 0, 0]
+    assert bucket.reserve() == pytest.approx(0.5)
+    assert bucket.reserve() == pytest.approx(1.0)
+    bucket.refund()
+    clock.now += 10
+    assert [bucket.reserve() for _ in range(3)] == [0, 0, 0]  # refilled, but never above burst
+    assert bucket.reserve() == pytest.approx(0.5)
+
+
+def test_token_bucket_without_a_rate_never_waits() -> None:
+    bucket = TokenBucket(rate=0, burst=1)
+    assert {bucket.reserve() for _ in range(1000)} == {0}
+
+
+def route(domain: str, *hosts: str) -> Route:
+    return Route(f"mx:{domain}", "mx", tuple(Hop(h, 25) for h in hosts))
+
+
+def test_policy_defaults_key_on_the_route() -> None:
+    delivery = DeliverySettings()
+    policy = policy_for(delivery, "example.com", route("example.com", "mx.example.com"))
+    assert policy.key == "mx:example.com"
+    assert (policy.tls, policy.concurrency, policy.rate) == ("opportunistic", 20, 0)
+    assert policy.max_messages_per_connection == 100
+
+
+def test_policy_exact_domain_beats_patterns_and_mx_patterns_group_domains() -> None:
+    delivery = DeliverySettings(
+        destination={
+            "gmail.com": DestinationSettings(concurrency=5),
+            "*.google.com": DestinationSettings(concurrency=10, rate=50, tls="verify"),
+            "*.com": DestinationSettings(concurrency=2),
+        }
+    )
+    google_mx = ("gmail-smtp-in.l.google.com", "alt1.gmail-smtp-in.l.google.com")
+    gmail = policy_for(delivery, "gmail.com", route("gmail.com", *google_mx))
+    assert (gmail.key, gmail.concurrency) == ("pattern:gmail.com", 5)
+    # A domain pattern is tried before MX patterns.
+    hosted = policy_for(delivery, "corp.com", route("corp.com", *google_mx))
+    assert hosted.key == "pattern:*.com"
+    other = policy_for(delivery, "corp.org", route("corp.org", *google_mx))
+    assert (other.key, other.concurrency, other.rate, other.burst, other.tls) == (
+        "pattern:*.google.com",
+        10,
+        50,
+        50,
+        "verify",
+    )
+
+
+def test_the_relayhost_tls_setting_wins() -> None:
+    delivery = DeliverySettings(tls="verify")
+    relay = Route("relayhost", "relayhost", (Hop("relay.example", 587),), tls="required")
+    assert policy_for(delivery, "x.example", relay).tls == "required"
+
+
+def test_ascii_domain_uses_idna() -> None:
+    assert ascii_domain("Bücher.Example") == "xn--bcher-kva.example"
+    with pytest.raises(ValueError):
+        ascii_domain("a" * 64 + ".example")
+
+
+def test_idle_gates_are_forgotten_when_there_are_too_many(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(limits, "MAX_IDLE_GATES", 2)
+    gates = limits.Gates()
+    delivery = DeliverySettings()
+    busy = gates.get(policy_for(delivery, "a.example", route("a.example", "mx.a.example")))
+    busy.in_flight = 1
+    gates.get(policy_for(delivery, "b.example", route("b.example", "mx.b.example")))
+    gates.get(policy_for(delivery, "c.example", route("c.example", "mx.c.example")))
+    assert sorted(gates._gates) == ["mx:a.example", "mx:c.example"]
