@@ -27,6 +27,7 @@ from pigeon_mta.store import connect as store_connect
 from pigeon_mta.store import migrate as store_migrate
 from pigeon_mta.store import orgs as store_orgs
 from pigeon_mta.store import queue as store_queue
+from pigeon_mta.submission import SubmissionService
 
 log = logging.getLogger("pigeon_mta.serve")
 
@@ -136,8 +137,29 @@ class Service(Protocol):
 
 def worker_services(settings: Settings, pool: asyncpg.Pool, url: str, index: int) -> list[Service]:
     """The services of one worker process, in start order (they stop in reverse order)."""
-    services: list[Service] = []
+    services: list[Service] = [SubmissionService(settings, pool)]
     return services
+
+
+# The services running in this process, for SIGHUP (reload: TLS certificates, ...).
+_RUNNING: list[Service] = []
+# The worker processes of this supervisor, for forwarding SIGHUP.
+_CHILD_PIDS: set[int] = set()
+
+
+def reload_services() -> None:
+    """SIGHUP: every running service that can reload does, and worker processes are told."""
+    log.info("received SIGHUP: reloading")
+    for service in _RUNNING:
+        reload = getattr(service, "reload", None)
+        if reload is not None:
+            try:
+                reload()
+            except Exception:
+                log.exception("reloading %s failed", service.name)
+    for pid in list(_CHILD_PIDS):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGHUP)
 
 
 async def run_worker(settings: Settings, url: str, index: int, stop: asyncio.Event) -> None:
@@ -148,9 +170,11 @@ async def run_worker(settings: Settings, url: str, index: int, stop: asyncio.Eve
         for service in worker_services(settings, pool, url, index):
             await service.start()
             started.append(service)
+            _RUNNING.append(service)
         log.info("worker %d ready", index)
         await stop.wait()
         deadline = asyncio.get_running_loop().time() + settings.server.shutdown_timeout
+        _RUNNING.clear()
         for service in reversed(started):
             try:
                 await service.stop(deadline)
@@ -162,7 +186,19 @@ async def run_worker(settings: Settings, url: str, index: int, stop: asyncio.Eve
 
 def _worker_process_main(settings: Settings, url: str, index: int) -> None:
     _install_child_logging()
+    _use_uvloop()
     asyncio.run(_worker_process_async(settings, url, index))
+
+
+def _use_uvloop() -> None:
+    """Worker processes start fresh (spawn): choose uvloop here too, as the command line does."""
+    if os.environ.get("PIGEON_NO_UVLOOP"):
+        return
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
 async def _worker_process_async(settings: Settings, url: str, index: int) -> None:
@@ -170,6 +206,7 @@ async def _worker_process_async(settings: Settings, url: str, index: int) -> Non
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, reload_services)
     await run_worker(settings, url, index, stop)
 
 
@@ -198,6 +235,7 @@ async def serve(settings: Settings, *, processes: int | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _on_signal, sig, stop)
+    loop.add_signal_handler(signal.SIGHUP, reload_services)
 
     pool = await store_connect.create_pool(location.url, settings, size=3)
     maintenance = Maintenance(settings, pool)
@@ -244,6 +282,8 @@ async def _supervise_children(
         )
         proc.start()
         children[index] = proc
+        if proc.pid is not None:
+            _CHILD_PIDS.add(proc.pid)
         log.info("started worker %d (pid %s)", index, proc.pid)
 
     for i in range(count):
@@ -256,6 +296,7 @@ async def _supervise_children(
                 log.error(
                     "worker %d (pid %s) exited with %s; restarting", index, proc.pid, proc.exitcode
                 )
+                _CHILD_PIDS.discard(proc.pid or 0)
                 start(index)
     for proc in children.values():
         if proc.is_alive() and proc.pid is not None:

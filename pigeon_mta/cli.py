@@ -9,13 +9,13 @@ import sys
 from collections.abc import Sequence
 
 from pigeon_mta import __version__
-from pigeon_mta.commands import orgs, service
+from pigeon_mta.commands import domains, orgs, service, users
 from pigeon_mta.commands.common import CliError, eprint
 from pigeon_mta.config import ConfigError
 from pigeon_mta.logs import setup_logging
 from pigeon_mta.store.connect import DatabaseUnavailable
 
-COMMAND_MODULES = [service, orgs]
+COMMAND_MODULES = [service, orgs, domains, users]
 
 EXIT_ERROR = 1
 EXIT_CONFIG = 2

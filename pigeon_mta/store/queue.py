@@ -53,15 +53,18 @@ SELECT pg_notify('{NOTIFY_CHANNEL}', '') FROM m
 """
 
 
-async def enqueue(db: Executor, envelope: Envelope) -> uuid.UUID:
+async def enqueue(
+    db: Executor, envelope: Envelope, *, queue_id: uuid.UUID | None = None
+) -> uuid.UUID:
     """Queue a message and all its recipients in one statement; returns the queue id.
 
     The NOTIFY is part of the same transaction, so PostgreSQL delivers it only on commit: a worker
-    woken by it always finds the rows.
+    woken by it always finds the rows. `queue_id` lets the caller name the message beforehand (the
+    submission side writes it into the Received header).
     """
     if not envelope.recipients:
         raise ValueError("a message needs at least one recipient")
-    queue_id = new_id()
+    queue_id = queue_id or new_id()
     await db.execute(
         _ENQUEUE,
         queue_id,

@@ -1,0 +1,175 @@
+"""One SMTP connection: aiosmtpd's `SMTP` protocol with our connection accounting, timers and
+reply codes around it."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import socket
+import typing
+from typing import Any
+
+from aiosmtpd.smtp import SMTP
+
+from pigeon_mta.metrics import SMTP_REJECTIONS
+from pigeon_mta.submission import replies
+from pigeon_mta.submission.addresses import client_address, in_networks
+from pigeon_mta.submission.context import Conversation, ListenerContext
+from pigeon_mta.submission.handler import SubmissionHandler
+
+log = logging.getLogger("pigeon_mta.submission")
+
+GREETING_IDENT = "ESMTP pigeon-mta"
+
+
+class SMTPSession(SMTP):
+    def __init__(self, handler: SubmissionHandler, ctx: ListenerContext) -> None:
+        implicit_tls = ctx.mode == "submissions"
+        plaintext_auth = ctx.plaintext_auth
+        super().__init__(
+            handler,
+            data_size_limit=ctx.limits.max_message_size or None,
+            enable_SMTPUTF8=True,
+            decode_data=False,
+            hostname=ctx.hostname,
+            ident=GREETING_IDENT,
+            tls_context=None if implicit_tls else ctx.tls.context,
+            # RFC 6409 submission: nothing but EHLO/NOOP/QUIT/STARTTLS before TLS.
+            require_starttls=ctx.mode == "submission" and not plaintext_auth,
+            timeout=ctx.limits.command_timeout,
+            auth_required=False,  # decided per command by the handler (trusted networks)
+            auth_require_tls=not (implicit_tls or plaintext_auth),
+            loop=asyncio.get_running_loop(),
+        )
+        self.ctx = ctx
+        self.conversation = Conversation(client_ip="unknown", trusted=False)
+        self.enqueuing = 0  # commits under way; stop() waits for them
+        # aiosmtpd keeps command_size_limits on the class, shared by every connection; give each
+        # connection its own.
+        self.command_size_limits: collections.defaultdict[str, int] = collections.defaultdict(
+            lambda: SMTP.command_size_limit
+        )
+        self._counted = False
+        self._refused = False
+        self._greeting_replies = False
+
+    # ------------------------------------------------------------ connection
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not self._counted:
+            if not self._admit(transport):
+                return
+        else:
+            # After STARTTLS the client starts over (RFC 3207 4.2): forget HELO and AUTH.
+            self.conversation = Conversation(
+                client_ip=self.conversation.client_ip, trusted=self.conversation.trusted
+            )
+        super().connection_made(transport)
+        ssl_object = transport.get_extra_info("ssl_object")
+        if ssl_object is not None:
+            cipher = ssl_object.cipher()
+            self.conversation.tls_version = ssl_object.version()
+            self.conversation.tls_cipher = cipher[0] if cipher else None
+
+    def _admit(self, transport: asyncio.BaseTransport) -> bool:
+        ip = client_address(transport.get_extra_info("peername"))
+        ip_text = str(ip) if ip is not None else "unknown"
+        _set_nodelay(transport)
+        refusal = None
+        if self.ctx.shutting_down:
+            refusal, reason = replies.SHUTTING_DOWN, "shutting_down"
+        elif not self.ctx.connections.acquire(ip_text):
+            refusal, reason = replies.TOO_MANY_CONNECTIONS, "too_many_connections"
+            log.warning("refused a connection from [%s]: too many open", ip_text)
+        if refusal is not None:
+            self._refused = True
+            SMTP_REJECTIONS.labels(listener=self.ctx.name, reason=reason).inc()
+            _say_and_close(transport, refusal.format(hostname=self.ctx.hostname))
+            return False
+        self._counted = True
+        trusted = self.ctx.mode == "relay" and in_networks(ip, self.ctx.trusted_networks)
+        self.conversation = Conversation(client_ip=ip_text, trusted=trusted)
+        self.ctx.sessions.add(self)
+        return True
+
+    def connection_lost(self, error: Exception | None) -> None:
+        if self._refused:
+            return
+        if self._counted:
+            self._counted = False
+            self.ctx.connections.release(self.conversation.client_ip)
+            self.ctx.sessions.discard(self)
+        super().connection_lost(error)
+
+    def close_with(self, reply: str) -> None:
+        """Say `reply` (a 421) and hang up."""
+        if self.transport is not None:
+            _say_and_close(self.transport, reply.format(hostname=self.ctx.hostname))
+
+    # ------------------------------------------------------------ timers
+
+    async def smtp_DATA(self, arg: str) -> None:
+        if self.envelope is not None and self.envelope.rcpt_tos and not arg:
+            # The whole DATA phase gets data_timeout, so a slow sender is cut off in the end.
+            self._reset_timeout(self.ctx.limits.data_timeout)
+        await super().smtp_DATA(arg)
+
+    def restart_command_timer(self) -> None:
+        self._reset_timeout()
+
+    def _timeout_cb(self) -> None:
+        SMTP_REJECTIONS.labels(listener=self.ctx.name, reason="timeout").inc()
+        log.info("closing an idle connection from [%s]", self.conversation.client_ip)
+        self.close_with(replies.TIMEOUT)
+        super()._timeout_cb()  # type: ignore[no-untyped-call]
+
+    # ------------------------------------------------------------ replies
+
+    async def handle_exception(self, error: Exception) -> str:
+        # A hook failed half-way: start the transaction over, as after RSET, so that the client's
+        # next MAIL is not "nested".
+        self._set_rset_state()  # type: ignore[no-untyped-call]
+        return await super().handle_exception(error)
+
+    async def smtp_EHLO(self, hostname: str) -> None:
+        self._greeting_replies = True
+        try:
+            await super().smtp_EHLO(hostname)
+        finally:
+            self._greeting_replies = False
+
+    async def smtp_HELO(self, hostname: str) -> None:
+        self._greeting_replies = True
+        try:
+            await super().smtp_HELO(hostname)
+        finally:
+            self._greeting_replies = False
+
+    async def push(self, status: Any) -> None:
+        if isinstance(status, str) and not (self._greeting_replies and status.startswith("250")):
+            status = replies.with_enhanced_code(status)
+            if status[:1] in ("4", "5"):
+                SMTP_REJECTIONS.labels(
+                    listener=self.ctx.name, reason=replies.rejection_reason(status)
+                ).inc()
+        await super().push(status)
+
+
+def _set_nodelay(transport: asyncio.BaseTransport) -> None:
+    # Replies are small writes followed by a read: without TCP_NODELAY each waits for Nagle.
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass
+
+
+def _say_and_close(transport: asyncio.BaseTransport, reply: str) -> None:
+    # uvloop's transports are not asyncio.WriteTransport subclasses, but they all write.
+    if transport.is_closing():
+        return
+    typing.cast(asyncio.WriteTransport, transport).write(reply.encode() + b"\r\n")
+    transport.close()
