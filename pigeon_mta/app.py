@@ -27,7 +27,6 @@ from pigeon_mta.store import connect as store_connect
 from pigeon_mta.store import migrate as store_migrate
 from pigeon_mta.store import orgs as store_orgs
 from pigeon_mta.store import queue as store_queue
-from pigeon_mta.submission import SubmissionService
 
 log = logging.getLogger("pigeon_mta.serve")
 
@@ -137,6 +136,9 @@ class Service(Protocol):
 
 def worker_services(settings: Settings, pool: asyncpg.Pool, url: str, index: int) -> list[Service]:
     """The services of one worker process, in start order (they stop in reverse order)."""
+    # Imported here: admin commands import this module and need no SMTP server code.
+    from pigeon_mta.submission.service import SubmissionService
+
     services: list[Service] = [SubmissionService(settings, pool)]
     return services
 

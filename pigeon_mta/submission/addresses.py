@@ -20,7 +20,7 @@ MAX_PATH_OCTETS = 254
 # RFC 5321 4.5.3.1.1 says 64; real senders exceed it (VERP, SRS), so be lenient like Postfix.
 MAX_LOCAL_PART_OCTETS = 128
 
-_ATEXT = r"A-Za-z0-9!#$%&'*+/=?^_`{|}~-"
+_ATEXT = r"A-Za-z0-9!#$%&'*+/=?^_`{|}~\-"
 _DOT_ATOM_ASCII = re.compile(rf"[{_ATEXT}]+(?:\.[{_ATEXT}]+)*\Z")
 # RFC 6531 3.3: with SMTPUTF8 any non-ASCII UTF-8 character is also atext.
 _DOT_ATOM_UTF8 = re.compile(rf"[{_ATEXT}\u0080-\U0010ffff]+(?:\.[{_ATEXT}\u0080-\U0010ffff]+)*\Z")

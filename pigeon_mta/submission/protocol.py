@@ -10,7 +10,7 @@ import socket
 import typing
 from typing import Any
 
-from aiosmtpd.smtp import SMTP
+from aiosmtpd.smtp import SMTP, Session
 
 from pigeon_mta.metrics import SMTP_REJECTIONS
 from pigeon_mta.submission import replies
@@ -21,6 +21,19 @@ from pigeon_mta.submission.handler import SubmissionHandler
 log = logging.getLogger("pigeon_mta.submission")
 
 GREETING_IDENT = "ESMTP pigeon-mta"
+
+
+class _QuietSession(Session):
+    """aiosmtpd sets the deprecated `login_data` on every successful AUTH, and its property logs
+    a warning each time; we never read it."""
+
+    @property
+    def login_data(self) -> Any:
+        return self._login_data
+
+    @login_data.setter
+    def login_data(self, value: Any) -> None:
+        self._login_data = value
 
 
 class SMTPSession(SMTP):
@@ -55,6 +68,9 @@ class SMTPSession(SMTP):
         self._greeting_replies = False
 
     # ------------------------------------------------------------ connection
+
+    def _create_session(self) -> Session:
+        return _QuietSession(self.loop)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if not self._counted:
@@ -121,8 +137,29 @@ class SMTPSession(SMTP):
     def _timeout_cb(self) -> None:
         SMTP_REJECTIONS.labels(listener=self.ctx.name, reason="timeout").inc()
         log.info("closing an idle connection from [%s]", self.conversation.client_ip)
-        self.close_with(replies.TIMEOUT)
-        super()._timeout_cb()  # type: ignore[no-untyped-call]
+        if self.transport is not None and not self.transport.is_closing():
+            _say(self.transport, replies.TIMEOUT.format(hostname=self.ctx.hostname))
+            super()._timeout_cb()  # type: ignore[no-untyped-call]
+
+    # ------------------------------------------------------------ TLS
+
+    async def smtp_STARTTLS(self, arg: str) -> None:
+        # aiosmtpd would start a second TLS layer (and fail) on a repeated STARTTLS; RFC 3207 4.2
+        # makes it a bad sequence once TLS was started (or tried).
+        if self._tls_protocol is not None:
+            await self.push("503 5.5.1 TLS already active")
+            return
+        await super().smtp_STARTTLS(arg)
+
+    # ------------------------------------------------------------ parsing
+
+    def _getaddr(self, arg: str) -> tuple[str | None, str | None]:
+        # The stdlib parser aiosmtpd uses raises IndexError on truncated input such as "<" or
+        # "<a@"; that is a malformed address (553), not a server error.
+        try:
+            return super()._getaddr(arg)
+        except (IndexError, ValueError, TypeError):
+            return None, None
 
     # ------------------------------------------------------------ replies
 
@@ -153,6 +190,10 @@ class SMTPSession(SMTP):
                 SMTP_REJECTIONS.labels(
                     listener=self.ctx.name, reason=replies.rejection_reason(status)
                 ).inc()
+        if isinstance(status, str):
+            # Some aiosmtpd replies echo the client's argument, which may hold bytes that were
+            # not UTF-8 (kept as surrogates): escape rather than fail.
+            status = status.encode("ascii", "backslashreplace")
         await super().push(status)
 
 
@@ -167,9 +208,15 @@ def _set_nodelay(transport: asyncio.BaseTransport) -> None:
         pass
 
 
-def _say_and_close(transport: asyncio.BaseTransport, reply: str) -> None:
+def _say(transport: asyncio.BaseTransport, reply: str) -> None:
     # uvloop's transports are not asyncio.WriteTransport subclasses, but they all write.
+    typing.cast(asyncio.WriteTransport, transport).write(reply.encode() + b"\r\n")
+
+
+def _say_and_close(transport: asyncio.BaseTransport, reply: str) -> None:
+    # Closing twice is not harmless: a second close() of an asyncio TLS transport drops its
+    # protocol.
     if transport.is_closing():
         return
-    typing.cast(asyncio.WriteTransport, transport).write(reply.encode() + b"\r\n")
+    _say(transport, reply)
     transport.close()

@@ -33,7 +33,7 @@ from pigeon_mta.config import (
 from pigeon_mta.store import credentials as store_credentials
 from pigeon_mta.store import domains as store_domains
 from pigeon_mta.store import orgs as store_orgs
-from pigeon_mta.submission import SubmissionService
+from pigeon_mta.submission.service import SubmissionService
 
 HOSTNAME = "mta.test"
 TRUSTED_CLIENT = "127.0.0.1"
