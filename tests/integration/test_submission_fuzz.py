@@ -220,3 +220,24 @@ async def test_dot_stuffed_bodies_come_through_unchanged(
 
     await asyncio.to_thread(check)
     assert logged_errors.messages == []
+
+
+async def test_pipelined_starttls_after_a_timed_out_handshake(
+    tmp_path: Path, db_url: str, pool: asyncpg.Pool, logged_errors: ErrorCounter
+) -> None:
+    """Found by the fuzzer: the command timer firing during a TLS handshake that never starts,
+    with a second STARTTLS already in the buffer, made aiosmtpd stack TLS on a closed transport."""
+    settings_ = make_settings(
+        tmp_path, db_url, make_tls(tmp_path), modes=("relay",), command_timeout=0.3
+    )
+    async with running_service(settings_, pool) as running:
+        port = running.port("relay")
+        for _ in range(5):
+            await asyncio.to_thread(
+                converse,
+                port,
+                b"RSET\r\nSTARTTLS\r\ngarbage\r\nSTARTTLS\r\n\r\n.\r\nQUIT\r\n",
+                wait=1,
+            )
+            await asyncio.to_thread(assert_responsive, port)
+    assert logged_errors.messages == []
