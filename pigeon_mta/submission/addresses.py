@@ -89,6 +89,51 @@ def normalize_domain(text: str) -> str | None:
     return text
 
 
+def split_path(arg: str) -> tuple[str | None, str | None]:
+    """(address, parameters) of a MAIL/RCPT argument, as aiosmtpd's `_getaddr` returns them.
+
+    The RFC 5321 4.1.2 path "<[@route,@route:]mailbox>"; a source route is ignored (RFC 5321
+    Appendix C). "<>" stays "<>" (the null reverse-path); an address without brackets is taken up
+    to the first space, as many MTAs do. None means malformed.
+    """
+    if not arg:
+        return "", ""
+    if not arg.startswith("<"):
+        address, _, rest = arg.partition(" ")
+        return address, rest.strip()
+    end = _closing_bracket(arg)
+    if end < 0:
+        return None, None
+    inner, rest = arg[1:end].strip(), arg[end + 1 :]
+    if rest and not rest[0].isspace():
+        return None, None
+    if not inner:
+        return "<>", rest.strip()
+    if inner.startswith("@"):
+        route_end = inner.find(":")
+        if route_end < 0:
+            return None, None
+        inner = inner[route_end + 1 :]
+    return inner, rest.strip()
+
+
+def _closing_bracket(arg: str) -> int:
+    """Index of the ">" that closes the path, skipping quoted strings; -1 if there is none."""
+    if '"' not in arg:
+        return arg.find(">")
+    quoted = escaped = False
+    for index, char in enumerate(arg):
+        if escaped:
+            escaped = False
+        elif quoted and char == "\\":
+            escaped = True
+        elif char == '"':
+            quoted = not quoted
+        elif char == ">" and not quoted:
+            return index
+    return -1
+
+
 # ---------------------------------------------------------------- From: header
 
 

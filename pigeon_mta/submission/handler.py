@@ -62,27 +62,10 @@ class SubmissionHandler:
     def __init__(self, ctx: ListenerContext) -> None:
         self.ctx = ctx
 
-    # ------------------------------------------------------------ greeting
-
-    async def handle_EHLO(
-        self, server: Any, session: Session, envelope: Envelope, hostname: str, responses: list[str]
-    ) -> list[str]:
-        session.host_name = hostname
-        conversation(server).helo = hostname
-        conversation(server).esmtp = True
-        lines = [r[4:] for r in responses]
-        extensions = [x for x in lines[1:] if x != "HELP"]
-        extensions += ["PIPELINING", "ENHANCEDSTATUSCODES"]
-        lines = [lines[0], *extensions]
-        return [f"250-{x}" for x in lines[:-1]] + [f"250 {lines[-1]}"]
-
-    async def handle_HELO(
-        self, server: Any, session: Session, envelope: Envelope, hostname: str
-    ) -> str:
-        session.host_name = hostname
-        conversation(server).helo = hostname
-        conversation(server).esmtp = False
-        return f"250 {self.ctx.hostname}"
+    def __dir__(self) -> list[str]:
+        # aiosmtpd looks through dir() of the handler on every new connection (see
+        # SMTPSession.__dir__): list only what it looks for.
+        return names_with_prefixes(type(self), ("handle_", "auth_"))
 
     # ------------------------------------------------------------ AUTH
 
@@ -396,6 +379,17 @@ class SubmissionHandler:
             return "454 4.7.0 TLS not available due to temporary reason"
         log.error("unexpected error in an SMTP session", exc_info=error)
         return replies.LOCAL_ERROR
+
+
+_NAMES: dict[tuple[type, tuple[str, ...]], list[str]] = {}
+
+
+def names_with_prefixes(cls: type, prefixes: tuple[str, ...]) -> list[str]:
+    """The attribute names of `cls` that aiosmtpd looks up by prefix (computed once per class)."""
+    names = _NAMES.get((cls, prefixes))
+    if names is None:
+        names = _NAMES[cls, prefixes] = sorted(n for n in dir(cls) if n.startswith(prefixes))
+    return names
 
 
 def conversation(server: Any) -> Conversation:

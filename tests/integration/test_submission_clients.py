@@ -161,20 +161,23 @@ async def test_ehlo_advertises_the_extensions(
     settings = make_settings(tmp_path, db_url, tls, max_message_size=123456)
     async with running_service(settings, pool) as running:
 
-        def ehlo() -> tuple[set[str], set[str], str]:
+        def ehlo() -> tuple[set[str], set[str], str, tuple[int, bytes]]:
             with smtp_client(running.port("submission")) as client:
                 client.ehlo("client.test")
                 before = set(client.esmtp_features)
                 client.starttls(context=tls.client_context())
                 client.ehlo("client.test")
-                return before, set(client.esmtp_features), client.esmtp_features["size"]
+                after = set(client.esmtp_features)
+                return before, after, client.esmtp_features["size"], client.docmd("HELP")
 
-        before, after, size = await asyncio.to_thread(ehlo)
+        before, after, size, help_reply = await asyncio.to_thread(ehlo)
     expected = {"pipelining", "8bitmime", "smtputf8", "enhancedstatuscodes", "size"}
     assert expected | {"starttls"} <= before
     assert "auth" not in before  # never offered in the clear
     assert expected | {"auth"} <= after and "starttls" not in after
     assert size == "123456"
+    assert help_reply[0] == 250
+    assert b"AUTH DATA EHLO" in help_reply[1] and b"STARTTLS" in help_reply[1]
 
 
 async def test_client_headers_are_kept_and_forged_results_removed(

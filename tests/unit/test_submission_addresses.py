@@ -14,6 +14,7 @@ from pigeon_mta.submission.addresses import (
     in_networks,
     normalize_domain,
     parse_mailbox,
+    split_path,
 )
 
 
@@ -107,3 +108,27 @@ def test_client_addresses_and_networks() -> None:
     assert in_networks(client_address(("::1", 25, 0, 0)), trusted)
     assert not in_networks(client_address(("192.0.2.1", 25)), trusted)
     assert not in_networks(client_address(None), trusted)
+
+
+@pytest.mark.parametrize(
+    ("arg", "address", "rest"),
+    [
+        ("<a@b.example>", "a@b.example", ""),
+        ("<a@b.example> SIZE=100 BODY=8BITMIME", "a@b.example", "SIZE=100 BODY=8BITMIME"),
+        ("<>", "<>", ""),
+        ("<> SIZE=5", "<>", "SIZE=5"),
+        ("< a@b.example >", "a@b.example", ""),
+        ("<@relay.example,@other.example:a@b.example>", "a@b.example", ""),
+        ('<"x>y"@b.example>', '"x>y"@b.example', ""),
+        ('<"x\\"y>"@b.example> P=1', '"x\\"y>"@b.example', "P=1"),
+        ("a@b.example SIZE=1", "a@b.example", "SIZE=1"),
+        ("", "", ""),
+        ("<", None, None),
+        ("<a@", None, None),
+        ("<a@b.example>x", None, None),
+        ("<@relay.example a@b.example>", None, None),
+        ('<"unterminated@b.example>', None, None),
+    ],
+)
+def test_split_path(arg: str, address: str | None, rest: str | None) -> None:
+    assert split_path(arg) == (address, rest)
