@@ -172,11 +172,12 @@ class RelaySettings:
 
 @dataclass(frozen=True)
 class LimitsSettings:
-    # Advertised as SIZE; a larger message gets 552 5.3.4.
+    # Advertised as SIZE; a larger message gets 552 5.3.4. 0 = no limit.
     max_message_size: int = 26214400
     # Recipients per message; one more gets 452 4.5.3 (the client sends the rest in another).
     max_recipients: int = 100
     # Open connections from one client IP, counted per worker process; one more gets 421 4.7.0.
+    # 0 = no limit.
     max_connections_per_ip: int = 50
     # A client silent this long between commands is disconnected (421 4.4.2).
     command_timeout: Duration = Duration(300)
@@ -391,6 +392,7 @@ def _check(settings: Settings) -> None:
             raise ConfigError(
                 f"listener '{listener.name}': set both tls_cert and tls_key, or neither"
             )
+    _check_submission(settings)
     delivery = settings.delivery
     if delivery.retry_initial <= 0:
         raise ConfigError("'delivery.retry_initial' must be more than zero")
@@ -413,6 +415,18 @@ def _check(settings: Settings) -> None:
             ) from None
     if settings.database.pool_size < 1:
         raise ConfigError("'database.pool_size' must be at least 1")
+
+
+def _check_submission(settings: Settings) -> None:
+    addresses = [str(listener.address) for listener in settings.listener]
+    for listener in settings.listener:
+        # SO_REUSEPORT would let both bind, and split the connections between them.
+        if listener.address.port and addresses.count(str(listener.address)) > 1:
+            raise ConfigError(f"two listeners use the address {listener.address}")
+    limits = settings.limits
+    for key in ("command_timeout", "data_timeout", "auth_failure_window", "credential_rate_window"):
+        if getattr(limits, key) <= 0:
+            raise ConfigError(f"'limits.{key}' must be more than zero")
 
 
 def _check_host_port(value: str, key: str, default_port: int) -> None:

@@ -166,7 +166,7 @@ async def test_random_command_lines(server: Running, logged_errors: ErrorCounter
         port = ports[listener]
         before = len(logged_errors.messages)
         # The trailing dot and QUIT end any DATA the random lines may have opened.
-        converse(port, b"\r\n".join(lines) + b"\r\n.\r\nQUIT\r\n", wait=2)
+        converse(port, b"\r\n".join(lines) + b"\r\n.\r\nQUIT\r\n", wait=1)
         assert_responsive(port)
         assert_no_new_errors(logged_errors, before)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 from hypothesis import given, settings
@@ -23,7 +24,7 @@ async def feed(
     points = sorted({c % (len(wire) + 1) for c in cuts} | {0, len(wire)})
 
     async def arrive() -> None:
-        for start, end in zip(points, points[1:], strict=False):
+        for start, end in itertools.pairwise(points):
             reader.feed_data(wire[start:end])
             await asyncio.sleep(0)
         reader.feed_eof()
