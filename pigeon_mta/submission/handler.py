@@ -74,7 +74,7 @@ class SubmissionHandler:
     ) -> Any:
         conv = conversation(server)
         if envelope.mail_from:
-            return "503 5.5.1 AUTH is not permitted during a mail transaction"  # RFC 4954 4
+            return replies.AUTH_IN_TRANSACTION
         try:
             throttled = await self.ctx.authenticator.is_throttled(conv.client_ip)
         except DATABASE_ERRORS as exc:
@@ -119,12 +119,12 @@ class SubmissionHandler:
             try:
                 return base64.b64decode(initial, validate=True)
             except ValueError:
-                await server.push("501 5.5.2 Cannot decode base64")
+                await server.push(replies.AUTH_BAD_BASE64)
                 return None
         try:
             answer = await server.challenge_auth(challenge)
         except ValueError:  # the line was longer than the stream limit
-            await server.push("500 5.5.6 Authentication exchange line is too long")
+            await server.push(replies.AUTH_LINE_TOO_LONG)
             return None
         return None if answer is MISSING else bytes(answer)
 
@@ -376,7 +376,7 @@ class SubmissionHandler:
     async def handle_exception(self, error: Exception) -> str:
         if isinstance(error, TLSSetupException):
             log.info("TLS handshake failed: %s", error.__cause__ or error)
-            return "454 4.7.0 TLS not available due to temporary reason"
+            return replies.TLS_FAILED
         log.error("unexpected error in an SMTP session", exc_info=error)
         return replies.LOCAL_ERROR
 

@@ -131,7 +131,7 @@ class SMTPSession(SMTP):
         if self.transport is not None:
             _say_and_close(self.transport, reply.format(hostname=self.ctx.hostname))
 
-    # ------------------------------------------------------------ timers
+    # ------------------------------------------------------------ DATA and timers
 
     @syntax("DATA")
     async def smtp_DATA(self, arg: str) -> None:
@@ -139,14 +139,14 @@ class SMTPSession(SMTP):
             return
         assert self.envelope is not None
         if not self.envelope.rcpt_tos:
-            await self.push("503 5.5.1 Error: need RCPT command")
+            await self.push(replies.NEED_RCPT)
             return
         if arg:
-            await self.push("501 5.5.4 Syntax: DATA")
+            await self.push(replies.DATA_SYNTAX)
             return
         # The whole DATA phase gets data_timeout, so a slow sender is cut off in the end.
         self._reset_timeout(self.ctx.limits.data_timeout)
-        await self.push("354 End data with <CR><LF>.<CR><LF>")
+        await self.push(replies.START_DATA)
         # asyncio.StreamReader's limit is aiosmtpd's line limit (1001): past twice that, the
         # reader pauses the socket, and a message would pause and resume it every 2 KB.
         reader = self._reader
@@ -185,7 +185,7 @@ class SMTPSession(SMTP):
         # aiosmtpd would start a second TLS layer (and fail) on a repeated STARTTLS; RFC 3207 4.2
         # makes it a bad sequence once TLS was started (or tried).
         if self._tls_protocol is not None:
-            await self.push("503 5.5.1 TLS already active")
+            await self.push(replies.TLS_ALREADY_ACTIVE)
             return
         await super().smtp_STARTTLS(arg)
 
@@ -211,7 +211,7 @@ class SMTPSession(SMTP):
     @syntax("EHLO hostname")
     async def smtp_EHLO(self, hostname: str) -> None:
         if not hostname:
-            await self.push("501 5.5.4 Syntax: EHLO hostname")
+            await self.push(replies.EHLO_SYNTAX)
             return
         self._greet(hostname, esmtp=True)
         lines = [self.hostname]
@@ -231,7 +231,7 @@ class SMTPSession(SMTP):
     @syntax("HELO hostname")
     async def smtp_HELO(self, hostname: str) -> None:
         if not hostname:
-            await self.push("501 5.5.4 Syntax: HELO hostname")
+            await self.push(replies.HELO_SYNTAX)
             return
         self._greet(hostname, esmtp=False)
         await super().push(f"250 {self.hostname}".encode("ascii", "replace"))

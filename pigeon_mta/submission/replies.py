@@ -36,6 +36,18 @@ RATE_LIMITED = "450 4.7.1 Message rate limit exceeded for this user, try again l
 DATABASE_TROUBLE = "451 4.3.0 Temporary failure queueing the message, try again later"
 LOCAL_ERROR = "451 4.3.0 Local error in processing, try again later"
 
+# Protocol: commands out of sequence or malformed.
+AUTH_IN_TRANSACTION = "503 5.5.1 AUTH is not permitted during a mail transaction"  # RFC 4954 4
+AUTH_BAD_BASE64 = "501 5.5.2 Cannot decode base64"
+AUTH_LINE_TOO_LONG = "500 5.5.6 Authentication exchange line is too long"
+TLS_FAILED = "454 4.7.0 TLS not available due to temporary reason"
+TLS_ALREADY_ACTIVE = "503 5.5.1 TLS already active"
+NEED_RCPT = "503 5.5.1 Error: need RCPT command"
+DATA_SYNTAX = "501 5.5.4 Syntax: DATA"
+EHLO_SYNTAX = "501 5.5.4 Syntax: EHLO hostname"
+HELO_SYNTAX = "501 5.5.4 Syntax: HELO hostname"
+START_DATA = "354 End data with <CR><LF>.<CR><LF>"
+
 # Sent just before the server closes the connection.
 TOO_MANY_CONNECTIONS = "421 4.7.0 {hostname} Too many connections from your address"
 TIMEOUT = "421 4.4.2 {hostname} Error: timeout exceeded"
