@@ -36,6 +36,7 @@ from pigeon_mta.store import events as store_events
 from pigeon_mta.store import migrate as store_migrate
 from pigeon_mta.store import orgs as store_orgs
 from pigeon_mta.store import queue as store_queue
+from pigeon_mta.store.notify import NotifySender
 
 log = logging.getLogger("pigeon_mta.serve")
 
@@ -161,12 +162,14 @@ class _Resources:
     """Per-process resources shared by the services; first to start, last to stop."""
 
     closers: list[Callable[[], None]]
+    notifier: NotifySender
     name: str = "resources"
 
     async def start(self) -> None:
-        return None
+        self.notifier.start()
 
     async def stop(self, deadline: float) -> None:
+        await self.notifier.close()
         for close in self.closers:
             close()
 
@@ -177,12 +180,17 @@ def worker_services(settings: Settings, pool: asyncpg.Pool, url: str, index: int
     from pigeon_mta.signer import DkimSigner
     from pigeon_mta.store.notify import QueueWaker
 
+    # Imported here: admin commands import this module and need no SMTP code.
+    from pigeon_mta.submission.service import SubmissionService
+
     delivery_log = DeliveryLog.from_settings(settings)
     signer = DkimSigner(pool)
     # One waker per process: the engine waits on it; LISTEN brings mail queued elsewhere, and this
-    # process's listeners wake it directly after each commit.
+    # process's listeners wake it directly after each commit (NotifySender.poke), which also sends
+    # one coalesced NOTIFY for the other processes and nodes.
     waker = QueueWaker(lambda: store_connect.connect(url, settings))
-    services: list[Service] = [_Resources([signer.close, delivery_log.close])]
+    notifier = NotifySender(pool, waker)
+    services: list[Service] = [_Resources([signer.close, delivery_log.close], notifier)]
     # The engine stops after the listeners, delivering what they queued.
     if settings.delivery.enabled:
         services.append(
@@ -190,7 +198,31 @@ def worker_services(settings: Settings, pool: asyncpg.Pool, url: str, index: int
         )
     elif index == 0:
         log.warning("delivery.enabled is false: this node queues mail but delivers none")
+    services.append(
+        SubmissionService(settings, pool, delivery_log=delivery_log, on_queued=notifier.poke)
+    )
     return services
+
+
+# The services running in this process, for SIGHUP (reload: TLS certificates, ...).
+_RUNNING: list[Service] = []
+# The worker processes of this supervisor, for forwarding SIGHUP.
+_CHILD_PIDS: set[int] = set()
+
+
+def reload_services() -> None:
+    """SIGHUP: every running service that can reload does, and worker processes are told."""
+    log.info("received SIGHUP: reloading")
+    for service in _RUNNING:
+        reload = getattr(service, "reload", None)
+        if reload is not None:
+            try:
+                reload()
+            except Exception:
+                log.exception("reloading %s failed", service.name)
+    for pid in list(_CHILD_PIDS):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGHUP)
 
 
 async def run_worker(settings: Settings, url: str, index: int, stop: asyncio.Event) -> None:
@@ -201,12 +233,14 @@ async def run_worker(settings: Settings, url: str, index: int, stop: asyncio.Eve
         for service in worker_services(settings, pool, url, index):
             await service.start()
             started.append(service)
+            _RUNNING.append(service)
         log.info("worker %d ready", index)
         metrics.WORKER_STARTS.inc()
         metrics.WORKERS_READY.set(1)
         await stop.wait()
         metrics.WORKERS_READY.set(0)
         deadline = asyncio.get_running_loop().time() + settings.server.shutdown_timeout
+        _RUNNING.clear()
         for service in reversed(started):
             try:
                 await service.stop(deadline)
@@ -222,11 +256,23 @@ def _worker_process_main(settings: Settings, url: str, index: int) -> None:
     asyncio.run(_worker_process_async(settings, url, index))
 
 
+def _use_uvloop() -> None:
+    """Worker processes start fresh (spawn): choose uvloop here too, as the command line does."""
+    if os.environ.get("PIGEON_NO_UVLOOP"):
+        return
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
 async def _worker_process_async(settings: Settings, url: str, index: int) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, reload_services)
     await run_worker(settings, url, index, stop)
 
 
@@ -254,6 +300,7 @@ async def serve(settings: Settings, *, processes: int | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _on_signal, sig, stop)
+    loop.add_signal_handler(signal.SIGHUP, reload_services)
 
     async with contextlib.AsyncExitStack() as resources:
         pool = await store_connect.create_pool(location.url, settings, size=3)
@@ -358,6 +405,7 @@ async def _supervise_children(
         children[index] = proc
         if proc.pid is not None:
             exposition.worker_started(index, proc.pid)
+            _CHILD_PIDS.add(proc.pid)
         log.info("started worker %d (pid %s)", index, proc.pid)
 
     for i in range(count):
@@ -372,6 +420,7 @@ async def _supervise_children(
                 )
                 if proc.pid is not None:
                     exposition.worker_exited(proc.pid)
+                _CHILD_PIDS.discard(proc.pid or 0)
                 start(index)
     for proc in children.values():
         if proc.is_alive() and proc.pid is not None:

@@ -10,13 +10,13 @@ from collections.abc import Sequence
 
 from pigeon_mta import __version__
 from pigeon_mta.app import use_uvloop
-from pigeon_mta.commands import dkim, log, orgs, queue, service, suppress
+from pigeon_mta.commands import dkim, domains, log, orgs, queue, service, suppress, users
 from pigeon_mta.commands.common import CliError, eprint
 from pigeon_mta.config import ConfigError
 from pigeon_mta.logs import setup_logging
 from pigeon_mta.store.connect import DatabaseUnavailable
 
-COMMAND_MODULES = [service, orgs, queue, log, suppress, dkim]
+COMMAND_MODULES = [service, orgs, domains, users, dkim, queue, log, suppress]
 
 EXIT_ERROR = 1
 EXIT_CONFIG = 2

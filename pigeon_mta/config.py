@@ -163,15 +163,35 @@ class ListenerSettings:
 class RelaySettings:
     trusted_networks: tuple[Network, ...] = (Network("127.0.0.0/8"), Network("::1/128"))
     trusted_org: str = "internal"
+    # Which sender addresses an authenticated user may use (clients from trusted networks are not
+    # checked): "strict" = the envelope sender and every From: header address must be in one of the
+    # user's org's sender domains; "envelope" = only the envelope sender is checked; "off" = no check.
+    # A refused sender gets 553 5.7.1.
+    sender_policy: Literal["strict", "envelope", "off"] = "strict"
 
 
 @dataclass(frozen=True)
 class LimitsSettings:
+    # Advertised as SIZE; a larger message gets 552 5.3.4. 0 = no limit.
     max_message_size: int = 26214400
+    # Recipients per message; one more gets 452 4.5.3 (the client sends the rest in another).
     max_recipients: int = 100
+    # Open connections from one client IP, counted per worker process; one more gets 421 4.7.0.
+    # 0 = no limit.
     max_connections_per_ip: int = 50
+    # A client silent this long between commands is disconnected (421 4.4.2).
     command_timeout: Duration = Duration(300)
+    # The whole DATA phase must finish within this time, or the client is disconnected.
     data_timeout: Duration = Duration(600)
+    # Failed AUTH attempts one client IP may make within auth_failure_window (counted across all
+    # processes and nodes, in the database); beyond that its AUTH gets 454 4.7.0 until old failures
+    # age out of the window. 0 turns throttling off.
+    max_auth_failures: int = 5
+    auth_failure_window: Duration = Duration(600)
+    # Messages one SMTP AUTH credential may submit within credential_rate_window (counted in the
+    # database, so across processes and nodes); beyond that MAIL gets 450 4.7.1. 0 = no limit.
+    credential_rate_limit: int = 0
+    credential_rate_window: Duration = Duration(3600)
 
 
 # TLS policy towards a destination (see DeliverySettings.tls).
@@ -475,6 +495,7 @@ def _check(settings: Settings) -> None:
             raise ConfigError(
                 f"listener '{listener.name}': set both tls_cert and tls_key, or neither"
             )
+    _check_submission(settings)
     delivery = settings.delivery
     if delivery.retry_initial <= 0:
         raise ConfigError("'delivery.retry_initial' must be more than zero")
@@ -524,6 +545,18 @@ def _check_outbound(delivery: DeliverySettings) -> None:
     for pattern, dest in delivery.destination.items():
         if dest.rate < 0:
             raise ConfigError(f"'delivery.destination.{pattern}.rate' must not be negative")
+
+
+def _check_submission(settings: Settings) -> None:
+    addresses = [str(listener.address) for listener in settings.listener]
+    for listener in settings.listener:
+        # SO_REUSEPORT would let both bind, and split the connections between them.
+        if listener.address.port and addresses.count(str(listener.address)) > 1:
+            raise ConfigError(f"two listeners use the address {listener.address}")
+    limits = settings.limits
+    for key in ("command_timeout", "data_timeout", "auth_failure_window", "credential_rate_window"):
+        if getattr(limits, key) <= 0:
+            raise ConfigError(f"'limits.{key}' must be more than zero")
 
 
 def _check_host_port(value: str, key: str, default_port: int) -> None:

@@ -94,10 +94,17 @@ async def create_pool(url: str, settings: Settings, *, size: int | None = None) 
         "server_settings": server_settings(settings),
         # Idle connections are recycled so that a restarted server is noticed quickly.
         "max_inactive_connection_lifetime": 60.0,
+        "reset": _keep_session,
     }
     pool = await asyncpg.create_pool(url, **kwargs)
     assert pool is not None
     return pool
+
+
+async def _keep_session(_conn: asyncpg.Connection) -> None:
+    """Pool connections are returned as they are: asyncpg still rolls back an open transaction,
+    and pigeon never changes session state on them (no SET, LISTEN or advisory locks), so the
+    default reset query would only cost a round trip per release (one per enqueued message)."""
 
 
 def describe_error(exc: BaseException) -> str:

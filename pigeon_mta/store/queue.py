@@ -56,7 +56,13 @@ _ENQUEUE = _ENQUEUE_TEMPLATE.format(notify=f"pg_notify('{NOTIFY_CHANNEL}', '')")
 _ENQUEUE_QUIET = _ENQUEUE_TEMPLATE.format(notify="1")
 
 
-async def enqueue(db: Executor, envelope: Envelope, *, notify: bool = True) -> uuid.UUID:
+async def enqueue(
+    db: Executor,
+    envelope: Envelope,
+    *,
+    notify: bool = True,
+    queue_id: uuid.UUID | None = None,
+) -> uuid.UUID:
     """Queue a message and all its recipients in one statement; returns the queue id.
 
     With `notify`, the NOTIFY is part of the same transaction, so PostgreSQL delivers it only on
@@ -65,10 +71,12 @@ async def enqueue(db: Executor, envelope: Envelope, *, notify: bool = True) -> u
     transactions cannot share a WAL flush (group commit): measured here, 16 connections enqueue
     barely faster than one. The high-rate submission path therefore passes `notify=False` and
     pokes a `NotifySender` after the commit instead, which coalesces wake-ups (store/notify.py).
+    `queue_id` lets the caller name the message beforehand (the submission side writes it into
+    the Received header).
     """
     if not envelope.recipients:
         raise ValueError("a message needs at least one recipient")
-    queue_id = new_id()
+    queue_id = queue_id or new_id()
     await db.execute(
         _ENQUEUE if notify else _ENQUEUE_QUIET,
         queue_id,

@@ -145,3 +145,27 @@ def test_schema_keys_cover_sections() -> None:
         "limits.max_message_size",
     ):
         assert key in keys
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            '[[listener]]\nname = "a"\naddress = "127.0.0.1:2525"\n'
+            '[[listener]]\nname = "b"\naddress = "127.0.0.1:2525"\nmode = "submission"\n',
+            "two listeners use the address 127.0.0.1:2525",
+        ),
+        ('[limits]\ncommand_timeout = "0s"\n', "'limits.command_timeout' must be more than zero"),
+        ('[relay]\nsender_policy = "lax"\n', "bad value for 'relay.sender_policy'"),
+    ],
+)
+def test_submission_settings_are_checked(tmp_path: Path, text: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        load_settings(write(tmp_path, text), env={})
+
+
+def test_submission_defaults() -> None:
+    s = load_settings(None, env={})
+    assert s.relay.sender_policy == "strict"
+    assert (s.limits.max_auth_failures, s.limits.auth_failure_window) == (5, 600)
+    assert s.limits.credential_rate_limit == 0

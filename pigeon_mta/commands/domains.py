@@ -1,0 +1,53 @@
+"""`domain add ORG DOMAIN`, `domain list`: the sender domains an org may use."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pigeon_mta.commands.common import CliError, add_common, open_database, print_object, print_rows
+from pigeon_mta.store import domains as store_domains
+from pigeon_mta.store import orgs as store_orgs
+from pigeon_mta.submission.addresses import normalize_domain
+
+
+def register(sub: Any) -> None:
+    domain = sub.add_parser("domain", help="sender domains an org may use").add_subparsers(
+        dest="domain_command", required=True
+    )
+    p = domain.add_parser("add", help="let an org send as a domain")
+    add_common(p)
+    p.add_argument("org")
+    p.add_argument("domain")
+    p.set_defaults(handler=cmd_add)
+    p = domain.add_parser("list", help="list sender domains")
+    add_common(p)
+    p.set_defaults(handler=cmd_list)
+
+
+async def cmd_add(args: argparse.Namespace) -> int:
+    domain = normalize_domain(args.domain.strip())
+    if domain is None:
+        raise CliError(f"'{args.domain}' is not a domain name")
+    async with open_database(args) as (_settings, conn):
+        org = await store_orgs.find_org(conn, args.org)
+        if org is None:
+            raise CliError(
+                f"there is no org '{args.org}' (create it with: pigeon-mta org add NAME)"
+            )
+        try:
+            added = await store_domains.add_sender_domain(conn, org.id, domain)
+        except store_domains.DomainTaken as exc:
+            raise CliError(str(exc)) from None
+    print_object(
+        args,
+        {"domain": added.domain, "org": added.org, "id": added.id, "created_at": added.created_at},
+    )
+    return 0
+
+
+async def cmd_list(args: argparse.Namespace) -> int:
+    async with open_database(args) as (_settings, conn):
+        found = await store_domains.list_sender_domains(conn)
+    print_rows(args, [vars(d) for d in found], ["domain", "org", "created_at", "id"])
+    return 0

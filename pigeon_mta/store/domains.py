@@ -1,0 +1,66 @@
+"""Sender domains: which org may send as which domain (the sender_domain table)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+
+from pigeon_mta.ids import new_id
+from pigeon_mta.store.queue import Executor
+
+
+@dataclass(frozen=True)
+class SenderDomain:
+    id: uuid.UUID
+    org_id: uuid.UUID
+    org: str
+    domain: str
+    created_at: datetime
+
+
+class DomainTaken(Exception):
+    """The domain is already added (to this org or another); a domain belongs to one org."""
+
+
+async def add_sender_domain(db: Executor, org_id: uuid.UUID, domain: str) -> SenderDomain:
+    """Add `domain` (already normalized: lower-case, ASCII/A-label, no trailing dot)."""
+    row = await db.fetchrow(
+        """WITH d AS (
+               INSERT INTO sender_domain (id, org_id, domain) VALUES ($1, $2, $3)
+               ON CONFLICT (domain) DO NOTHING
+               RETURNING *)
+           SELECT d.id, d.org_id, o.name AS org, d.domain, d.created_at
+           FROM d JOIN org o ON o.id = d.org_id""",
+        new_id(),
+        org_id,
+        domain,
+    )
+    if row is None:
+        owner = await db.fetchval(
+            "SELECT o.name FROM sender_domain d JOIN org o ON o.id = d.org_id WHERE d.domain = $1",
+            domain,
+        )
+        raise DomainTaken(f"domain '{domain}' is already added to org '{owner}'")
+    return SenderDomain(row["id"], row["org_id"], row["org"], row["domain"], row["created_at"])
+
+
+async def list_sender_domains(db: Executor) -> list[SenderDomain]:
+    rows = await db.fetch(
+        """SELECT d.id, d.org_id, o.name AS org, d.domain, d.created_at
+           FROM sender_domain d JOIN org o ON o.id = d.org_id
+           ORDER BY o.name, d.domain"""
+    )
+    return [
+        SenderDomain(r["id"], r["org_id"], r["org"], r["domain"], r["created_at"]) for r in rows
+    ]
+
+
+async def org_may_send_as(db: Executor, org_id: uuid.UUID, domain: str) -> bool:
+    """Whether `domain` (normalized) is one of the org's sender domains."""
+    found = await db.fetchval(
+        "SELECT EXISTS (SELECT 1 FROM sender_domain WHERE org_id = $1 AND domain = $2)",
+        org_id,
+        domain,
+    )
+    return bool(found)

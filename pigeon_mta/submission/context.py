@@ -1,0 +1,128 @@
+"""State shared by the connections of a listener, and the facts kept about one connection."""
+
+from __future__ import annotations
+
+import ipaddress
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import asyncpg
+
+from pigeon_mta.config import LimitsSettings, ListenerSettings, Settings
+from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.store import credentials as store_credentials
+from pigeon_mta.store import orgs as store_orgs
+from pigeon_mta.submission.auth import Authenticator
+from pigeon_mta.submission.tls import ListenerTLS
+
+if TYPE_CHECKING:
+    from pigeon_mta.submission.protocol import SMTPSession
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass
+class Conversation:
+    """What we know about one client connection."""
+
+    client_ip: str
+    trusted: bool  # from relay.trusted_networks, on a relay listener
+    helo: str | None = None
+    esmtp: bool = False
+    tls_version: str | None = None
+    tls_cipher: str | None = None
+    login: store_credentials.Login | None = None
+    # The org's answers to "may it send as this domain?", asked once per connection.
+    sender_domains: dict[str, bool] = field(default_factory=dict)
+
+
+class ConnectionCounter:
+    """Open connections per client IP in this process (all listeners together)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._open: dict[str, int] = {}
+
+    def acquire(self, ip: str) -> bool:
+        count = self._open.get(ip, 0)
+        if self.limit and count >= self.limit:
+            return False
+        self._open[ip] = count + 1
+        return True
+
+    def open_from(self, ip: str) -> int:
+        return self._open.get(ip, 0)
+
+    def release(self, ip: str) -> None:
+        count = self._open.get(ip, 0) - 1
+        if count > 0:
+            self._open[ip] = count
+        else:
+            self._open.pop(ip, None)
+
+
+def _nothing() -> None:
+    return None
+
+
+class TrustedOrg:
+    """The id of `relay.trusted_org`, looked up (and created if missing) on first use."""
+
+    def __init__(self, pool: asyncpg.Pool, name: str) -> None:
+        self.pool = pool
+        self.name = name
+        self._id: uuid.UUID | None = None
+
+    async def __call__(self) -> uuid.UUID:
+        if self._id is None:
+            self._id = await store_orgs.ensure_org(self.pool, self.name)
+        return self._id
+
+
+@dataclass
+class ListenerContext:
+    settings: Settings
+    listener: ListenerSettings
+    pool: asyncpg.Pool
+    tls: ListenerTLS
+    authenticator: Authenticator
+    connections: ConnectionCounter
+    trusted_org_id: TrustedOrg
+    trusted_networks: tuple[IPNetwork, ...]
+    sessions: set[SMTPSession] = field(default_factory=set)
+    shutting_down: bool = False
+    # Reception records (after the commit) and the wake-up of this process's engine.
+    delivery_log: DeliveryLog | None = None
+    on_queued: Callable[[], None] = _nothing
+
+    @property
+    def name(self) -> str:
+        return self.listener.name
+
+    @property
+    def mode(self) -> str:
+        return self.listener.mode
+
+    @property
+    def hostname(self) -> str:
+        return self.settings.server.hostname
+
+    @property
+    def limits(self) -> LimitsSettings:
+        return self.settings.limits
+
+    @property
+    def sender_policy(self) -> str:
+        return self.settings.relay.sender_policy
+
+    @property
+    def plaintext_auth(self) -> bool:
+        """AUTH without TLS: only when configured, and only on a loopback address."""
+        if not self.listener.allow_plaintext_auth:
+            return False
+        try:
+            return ipaddress.ip_address(self.listener.address.host).is_loopback
+        except ValueError:
+            return self.listener.address.host == "localhost"

@@ -1,0 +1,167 @@
+"""What a message submission agent adds to a message (RFC 6409 8): pure functions on bytes.
+
+Line endings become CRLF, a missing Message-ID or Date is added at the end of the header, and a
+Received and an Authentication-Results header (RFC 8601, built with authres) go on top. Nothing
+else in the message is touched.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from email.utils import format_datetime
+
+import authres
+
+CRLF = b"\r\n"
+# A header field name: printable ASCII except the colon (RFC 5322 2.2).
+_FIELD_NAME = re.compile(rb"[\x21-\x39\x3b-\x7e]+:")
+_LONE_EOL = re.compile(rb"\r\n|\r|\n")
+_HELO_UNSAFE = re.compile(r"[^\x21-\x27\x2a-\x5b\x5d-\x7e]")  # no space, parentheses, backslash
+
+
+def normalize_line_endings(data: bytes) -> bytes:
+    """Every bare LF or CR becomes CRLF.
+
+    A bare LF is where SMTP smuggling hides ("\\n.\\r\\n" read as end-of-data by a later hop), and
+    many applications send bare LFs in good faith: normalizing serves both.
+    """
+    crlf = data.count(CRLF)
+    if data.count(b"\n") == crlf and data.count(b"\r") == crlf:
+        return data
+    return _LONE_EOL.sub(CRLF, data)
+
+
+@dataclass(frozen=True)
+class SplitMessage:
+    fields: list[bytes]  # whole header fields, continuation lines and CRLF included
+    rest: bytes  # the blank separator line and the body; b"" when the message is all header
+    separated: bool  # whether `rest` starts with the blank line
+
+
+def split_header(data: bytes) -> SplitMessage:
+    """Header fields up to the first blank line, or up to the first line that is not a field."""
+    fields: list[bytes] = []
+    pos = 0
+    size = len(data)
+    while pos < size:
+        end = data.find(CRLF, pos)
+        end = size if end < 0 else end + 2
+        line = data[pos:end]
+        if line == CRLF:
+            return SplitMessage(fields, data[pos:], True)
+        if line[:1] in (b" ", b"\t") and fields:
+            fields[-1] += line
+        elif _FIELD_NAME.match(line):
+            fields.append(line if line.endswith(CRLF) else line + CRLF)
+        else:
+            return SplitMessage(fields, data[pos:], False)
+        pos = end
+    return SplitMessage(fields, b"", False)
+
+
+def field_name(field: bytes) -> bytes:
+    return field.split(b":", 1)[0].strip().lower()
+
+
+def field_value(field: bytes) -> str:
+    """The unfolded value, as text (bytes that are not UTF-8 are replaced)."""
+    raw = field.split(b":", 1)[1]
+    unfolded = raw.replace(CRLF, b"").strip()
+    return unfolded.decode("utf-8", "replace")
+
+
+def values_of(fields: list[bytes], name: bytes) -> list[str]:
+    return [field_value(f) for f in fields if field_name(f) == name]
+
+
+def message_id_of(fields: list[bytes]) -> str | None:
+    """The first Message-ID value without angle brackets, fit for a text column; None if empty."""
+    for value in values_of(fields, b"message-id"):
+        text = "".join(c for c in value if c.isprintable()).strip().strip("<>").strip()
+        return text[:998] or None
+    return None
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What the Received and Authentication-Results headers record about one submission."""
+
+    hostname: str  # ours
+    queue_id: str
+    client_ip: str
+    helo: str | None
+    esmtp: bool
+    smtputf8: bool
+    tls_version: str | None
+    tls_cipher: str | None
+    auth_user: str | None
+    recipients: tuple[str, ...]
+    received_at: datetime
+
+
+@dataclass(frozen=True)
+class Fixed:
+    data: bytes
+    message_id: str | None  # the Message-ID header value (ours when it was added)
+    from_values: list[str]  # the From: header values, for the sender policy
+
+
+def apply_fixups(data: bytes, trace: Trace, *, new_message_id: str) -> Fixed:
+    data = normalize_line_endings(data)
+    if data and not data.endswith(CRLF):
+        data += CRLF
+    split = split_header(data)
+    fields = [f for f in split.fields if not _forged_results(f, trace.hostname)]
+    added: list[bytes] = []
+    message_id = message_id_of(fields)
+    if not any(field_name(f) == b"message-id" for f in fields):
+        message_id = new_message_id
+        added.append(b"Message-ID: <" + new_message_id.encode("utf-8") + b">" + CRLF)
+    if not any(field_name(f) == b"date" for f in fields):
+        added.append(b"Date: " + format_datetime(trace.received_at).encode("ascii") + CRLF)
+    rest = split.rest
+    if not split.separated and rest:
+        rest = CRLF + rest  # a body with no blank line before it must not become header
+    top = received_header(trace) + authentication_results(trace)
+    out = b"".join((top, *fields, *added, rest))
+    return Fixed(out, message_id, values_of(fields, b"from"))
+
+
+def received_header(trace: Trace) -> bytes:
+    """RFC 5321 4.4 trace line; the protocol name per RFC 3848 and RFC 6531."""
+    helo = _HELO_UNSAFE.sub("?", trace.helo or "")[:255] or "unknown"
+    protocol = ("UTF8SMTP" if trace.smtputf8 else "ESMTP" if trace.esmtp else "SMTP") + (
+        ("S" if trace.tls_version else "") + ("A" if trace.auth_user else "")
+    )
+    lines = [f"Received: from {helo} ([{trace.client_ip}])"]
+    if trace.tls_version:
+        lines.append(f"\t(using {trace.tls_version} with cipher {trace.tls_cipher or 'unknown'})")
+    lines.append(f"\tby {trace.hostname} (pigeon-mta) with {protocol} id {trace.queue_id}")
+    if len(trace.recipients) == 1:
+        # Only for one recipient: naming one of several would tell each about the others.
+        lines.append(f"\tfor <{trace.recipients[0]}>;")
+    else:
+        lines[-1] += ";"
+    lines.append(f"\t{format_datetime(trace.received_at)}")
+    return ("\r\n".join(lines) + "\r\n").encode("utf-8")
+
+
+def authentication_results(trace: Trace) -> bytes:
+    result = (
+        authres.SMTPAUTHAuthenticationResult(result="pass", smtp_auth=trace.auth_user)
+        if trace.auth_user
+        else authres.SMTPAUTHAuthenticationResult(result="none")
+    )
+    header = authres.AuthenticationResultsHeader(authserv_id=trace.hostname, results=[result])
+    return str(header).encode("utf-8") + CRLF
+
+
+def _forged_results(field: bytes, hostname: str) -> bool:
+    """An Authentication-Results field claiming to be ours: RFC 8601 5 says remove it."""
+    if field_name(field) != b"authentication-results":
+        return False
+    value = field_value(field)
+    authserv_id = value.split(";", 1)[0].split()
+    return bool(authserv_id) and authserv_id[0].lower() == hostname.lower()

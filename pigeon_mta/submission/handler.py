@@ -1,0 +1,428 @@
+"""The aiosmtpd handler: who may send (relay policy, AUTH), what (sender policy, limits), and the
+enqueue that must commit before the 250.
+
+Hooks receive the connection (`server`, a `protocol.SMTPSession`); per-connection facts live on its
+`conversation`. Every decision is a reply constant from `replies`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import asyncpg
+from aiosmtpd.smtp import MISSING, AuthResult, Envelope, Session, TLSSetupException
+
+from pigeon_mta import model
+from pigeon_mta.ids import new_id
+from pigeon_mta.metrics import AUTH_FAILURES
+from pigeon_mta.store import domains as store_domains
+from pigeon_mta.store import limits as store_limits
+from pigeon_mta.store import queue as store_queue
+from pigeon_mta.submission import replies
+from pigeon_mta.submission.addresses import (
+    AddressProblem,
+    Mailbox,
+    from_header_domains,
+    parse_mailbox,
+)
+from pigeon_mta.submission.auth import Verdict
+from pigeon_mta.submission.context import Conversation, ListenerContext
+from pigeon_mta.submission.fixups import Trace, apply_fixups
+from pigeon_mta.submission.reception import Reception, record_reception
+
+log = logging.getLogger("pigeon_mta.submission")
+
+# InternalClientError: asyncpg's protocol state broke, as when the server killed the backend
+# while a statement was being sent; the connection is dropped and a new one made.
+DATABASE_ERRORS = (
+    OSError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    TimeoutError,
+)
+NULL_SENDER_MARK = "<>"  # aiosmtpd needs a true value for "MAIL was given"; "" is stored
+
+_ADDRESS_REPLIES = {
+    AddressProblem.SYNTAX: replies.BAD_RECIPIENT,
+    AddressProblem.NEEDS_SMTPUTF8: replies.NEEDS_SMTPUTF8,
+    AddressProblem.LITERAL: replies.LITERAL_RECIPIENT,
+}
+
+
+class SubmissionHandler:
+    """One per listener. Attribute names matter to aiosmtpd: handle_* are hooks, auth_* are
+    AUTH mechanisms; nothing else may start with either."""
+
+    def __init__(self, ctx: ListenerContext) -> None:
+        self.ctx = ctx
+
+    def __dir__(self) -> list[str]:
+        # aiosmtpd looks through dir() of the handler on every new connection (see
+        # SMTPSession.__dir__): list only what it looks for.
+        return names_with_prefixes(type(self), ("handle_", "auth_"))
+
+    # ------------------------------------------------------------ AUTH
+
+    async def handle_AUTH(
+        self, server: Any, session: Session, envelope: Envelope, args: list[str]
+    ) -> Any:
+        conv = conversation(server)
+        if envelope.mail_from:
+            return replies.AUTH_IN_TRANSACTION
+        try:
+            throttled = await self.ctx.authenticator.is_throttled(conv.client_ip)
+        except DATABASE_ERRORS as exc:
+            log.warning("AUTH from [%s]: cannot check throttling: %s", conv.client_ip, exc)
+            return replies.AUTH_UNAVAILABLE
+        if throttled:
+            log.warning("AUTH from [%s] refused: too many recent failures", conv.client_ip)
+            return replies.AUTH_THROTTLED
+        return MISSING
+
+    async def auth_PLAIN(self, server: Any, args: list[str]) -> AuthResult:
+        """RFC 4616: [authzid] NUL authcid NUL passwd, as initial response or after a 334."""
+        blob = await self._auth_response(server, args[1] if len(args) > 1 else None, "")
+        if blob is None:
+            return AuthResult(success=False)
+        parts = blob.split(b"\0")
+        if len(parts) != 3:
+            return await self._refuse(server, None, "malformed PLAIN response")
+        authzid, login, password = parts
+        if authzid and authzid != login:
+            return await self._refuse(
+                server, _text(login), "authzid differs", replies.AUTH_BAD_AUTHZID
+            )
+        return await self._check(server, login, password)
+
+    async def auth_LOGIN(self, server: Any, args: list[str]) -> AuthResult:
+        login = await self._auth_response(server, args[1] if len(args) > 1 else None, "Username:")
+        if login is None:
+            return AuthResult(success=False)
+        password = await self._auth_response(server, None, "Password:")
+        if password is None:
+            return AuthResult(success=False)
+        return await self._check(server, login, password)
+
+    async def _auth_response(
+        self, server: Any, initial: str | None, challenge: str
+    ) -> bytes | None:
+        """The client's decoded answer; None when the exchange ended (a reply was already sent)."""
+        if initial is not None:
+            if initial == "=":
+                return b""  # RFC 4954 4: "=" is an empty initial response
+            try:
+                return base64.b64decode(initial, validate=True)
+            except ValueError:
+                await server.push(replies.AUTH_BAD_BASE64)
+                return None
+        try:
+            answer = await server.challenge_auth(challenge)
+        except ValueError:  # the line was longer than the stream limit
+            await server.push(replies.AUTH_LINE_TOO_LONG)
+            return None
+        return None if answer is MISSING else bytes(answer)
+
+    async def _check(self, server: Any, login_bytes: bytes, password_bytes: bytes) -> AuthResult:
+        conv = conversation(server)
+        try:
+            username = login_bytes.decode("utf-8")
+            password = password_bytes.decode("utf-8")
+        except UnicodeDecodeError:
+            return await self._refuse(server, _text(login_bytes), "credentials are not UTF-8")
+        if not username:
+            return await self._refuse(server, None, "empty username")
+        try:
+            checked = await self.ctx.authenticator.check(username, password)
+        except DATABASE_ERRORS as exc:
+            log.warning("AUTH from [%s]: cannot check credentials: %s", conv.client_ip, exc)
+            return AuthResult(success=False, handled=False, message=replies.AUTH_UNAVAILABLE)
+        if checked.verdict is not Verdict.OK or checked.login is None:
+            return await self._refuse(server, username, checked.reason)
+        conv.login = checked.login
+        log.info(
+            "AUTH ok: user=%s client=[%s] listener=%s",
+            checked.login.username,
+            conv.client_ip,
+            self.ctx.name,
+        )
+        return AuthResult(success=True, auth_data=checked.login, message=replies.AUTH_OK)
+
+    async def _refuse(
+        self, server: Any, username: str | None, why: str, reply: str = replies.AUTH_INVALID
+    ) -> AuthResult:
+        conv = conversation(server)
+        AUTH_FAILURES.labels(listener=self.ctx.name).inc()
+        log.warning(
+            "AUTH failed: user=%s client=[%s] listener=%s: %s",
+            username if username is not None else "-",
+            conv.client_ip,
+            self.ctx.name,
+            why,
+        )
+        try:
+            await self.ctx.authenticator.record_failure(
+                client_ip=conv.client_ip, username=username, listener=self.ctx.name
+            )
+        except DATABASE_ERRORS as exc:
+            log.warning("cannot record the AUTH failure of [%s]: %s", conv.client_ip, exc)
+        return AuthResult(success=False, handled=False, message=reply)
+
+    # ------------------------------------------------------------ envelope
+
+    async def handle_MAIL(
+        self, server: Any, session: Session, envelope: Envelope, address: str, options: list[str]
+    ) -> str:
+        conv = conversation(server)
+        if conv.login is None and not conv.trusted and self.ctx.mode != "relay":
+            return replies.AUTH_REQUIRED
+        # On a relay listener an untrusted, unauthenticated client may say MAIL; every RCPT is
+        # then refused (relay access denied), whatever the address looks like.
+        sender: Mailbox | None = None
+        if address != NULL_SENDER_MARK:
+            parsed = parse_mailbox(address, smtputf8=bool(envelope.smtp_utf8))
+            if not isinstance(parsed, Mailbox):
+                return (
+                    replies.NEEDS_SMTPUTF8
+                    if parsed is AddressProblem.NEEDS_SMTPUTF8
+                    else replies.BAD_SENDER
+                )
+            sender = parsed
+        if conv.login is not None:
+            try:
+                refusal = await self._check_authenticated_sender(conv, sender)
+            except DATABASE_ERRORS as exc:
+                log.warning("MAIL from [%s]: database trouble: %s", conv.client_ip, exc)
+                return replies.DATABASE_TROUBLE
+            if refusal:
+                return refusal
+        envelope.mail_from = str(sender) if sender else NULL_SENDER_MARK
+        envelope.mail_options.extend(options)
+        return replies.SENDER_OK
+
+    async def _check_authenticated_sender(
+        self, conv: Conversation, sender: Mailbox | None
+    ) -> str | None:
+        assert conv.login is not None
+        if sender is not None and self.ctx.sender_policy != "off":
+            if not await self._org_owns(conv, sender.domain):
+                log.warning(
+                    "MAIL refused: user=%s may not send as <%s>", conv.login.username, sender
+                )
+                return replies.SENDER_NOT_OWNED
+        limit = self.ctx.limits.credential_rate_limit
+        if limit > 0:
+            recent = await store_limits.recent_messages_of_credential(
+                self.ctx.pool,
+                conv.login.id,
+                window=self.ctx.limits.credential_rate_window,
+                up_to=limit,
+            )
+            if recent >= limit:
+                log.warning(
+                    "MAIL deferred: user=%s reached its rate limit (%d per %gs)",
+                    conv.login.username,
+                    limit,
+                    self.ctx.limits.credential_rate_window,
+                )
+                return replies.RATE_LIMITED
+        return None
+
+    async def _org_owns(self, conv: Conversation, domain: str) -> bool:
+        assert conv.login is not None
+        known = conv.sender_domains.get(domain)
+        if known is None:
+            known = await store_domains.org_may_send_as(self.ctx.pool, conv.login.org_id, domain)
+            conv.sender_domains[domain] = known
+        return known
+
+    async def handle_RCPT(
+        self, server: Any, session: Session, envelope: Envelope, address: str, options: list[str]
+    ) -> str:
+        conv = conversation(server)
+        if conv.login is None and not conv.trusted:
+            log.info("RCPT refused: [%s] is not trusted and did not AUTH", conv.client_ip)
+            return replies.RELAY_DENIED
+        if len(envelope.rcpt_tos) >= self.ctx.limits.max_recipients:
+            return replies.TOO_MANY_RECIPIENTS
+        parsed = parse_mailbox(address, smtputf8=bool(envelope.smtp_utf8))
+        if not isinstance(parsed, Mailbox):
+            return _ADDRESS_REPLIES[parsed]
+        envelope.rcpt_tos.append(str(parsed))
+        envelope.rcpt_options.extend(options)
+        return replies.RECIPIENT_OK
+
+    # ------------------------------------------------------------ message
+
+    async def handle_DATA(self, server: Any, session: Session, envelope: Envelope) -> str:
+        conv = conversation(server)
+        # The DATA timer must not cut the connection while the commit is under way.
+        server.restart_command_timer()
+        org_id = await self._org_of(conv)
+        if org_id is None:
+            return replies.DATABASE_TROUBLE
+        sender = "" if envelope.mail_from == NULL_SENDER_MARK else str(envelope.mail_from)
+        recipients = tuple(envelope.rcpt_tos)
+        queue_id = new_id()
+        received_at = datetime.now(UTC)
+        raw = envelope.original_content
+        assert isinstance(raw, bytes)
+        fixed = apply_fixups(
+            raw,
+            Trace(
+                hostname=self.ctx.hostname,
+                queue_id=str(queue_id),
+                client_ip=conv.client_ip,
+                helo=conv.helo,
+                esmtp=conv.esmtp,
+                smtputf8=bool(envelope.smtp_utf8),
+                tls_version=conv.tls_version,
+                tls_cipher=conv.tls_cipher,
+                auth_user=conv.login.username if conv.login else None,
+                recipients=recipients,
+                received_at=received_at,
+            ),
+            new_message_id=f"{new_id().hex}@{self.ctx.hostname}",
+        )
+        if conv.login is not None and self.ctx.sender_policy == "strict":
+            refusal = await self._check_from_header(conv, fixed.from_values)
+            if refusal:
+                return refusal
+        message = model.Envelope(
+            org_id=org_id,
+            sender=sender,
+            recipients=recipients,
+            body=fixed.data,
+            listener=self.ctx.name,
+            message_id=fixed.message_id,
+            client_ip=conv.client_ip,
+            client_helo=_printable(conv.helo),
+            credential_id=conv.login.id if conv.login else None,
+            auth_user=conv.login.username if conv.login else None,
+        )
+        try:
+            await self._enqueue(server, message, queue_id)
+        except DATABASE_ERRORS as exc:
+            log.warning(
+                "not queued (451 sent): client=[%s] from=<%s> nrcpt=%d: database trouble: %s",
+                conv.client_ip,
+                sender,
+                len(recipients),
+                exc,
+            )
+            return replies.DATABASE_TROUBLE
+        self.ctx.on_queued()
+        if self.ctx.delivery_log is not None:
+            self.ctx.delivery_log.reception(queue_id, message, received_at=received_at)
+        record_reception(
+            Reception(
+                queue_id=queue_id,
+                org_id=org_id,
+                listener=self.ctx.name,
+                client_ip=conv.client_ip,
+                helo=message.client_helo,
+                auth_user=message.auth_user,
+                sender=sender,
+                recipients=recipients,
+                size=len(fixed.data),
+                message_id=fixed.message_id,
+                tls=f"{conv.tls_version} {conv.tls_cipher}" if conv.tls_version else None,
+                received_at=received_at,
+            )
+        )
+        return replies.QUEUED.format(queue_id=queue_id)
+
+    async def _check_from_header(self, conv: Conversation, values: list[str]) -> str | None:
+        domains = from_header_domains(values)
+        try:
+            owned = domains is not None and all([await self._org_owns(conv, d) for d in domains])
+        except DATABASE_ERRORS as exc:
+            log.warning("DATA from [%s]: database trouble: %s", conv.client_ip, exc)
+            return replies.DATABASE_TROUBLE
+        if not owned:
+            assert conv.login is not None
+            log.warning(
+                "DATA refused: user=%s may not use From: %s", conv.login.username, values[:3]
+            )
+            return replies.FROM_NOT_OWNED
+        return None
+
+    async def _org_of(self, conv: Conversation) -> uuid.UUID | None:
+        if conv.login is not None:
+            return conv.login.org_id
+        try:
+            return await self.ctx.trusted_org_id()
+        except DATABASE_ERRORS as exc:
+            log.warning("cannot look up the trusted org: %s", exc)
+            return None
+
+    async def _enqueue(self, server: Any, message: model.Envelope, queue_id: uuid.UUID) -> None:
+        """Commit the message. Shielded: a client that hangs up mid-commit does not cancel the
+        statement half-way; the outcome is then only logged."""
+        # No NOTIFY inside the transaction (it would serialise commits); ctx.on_queued wakes the
+        # engines after the commit instead (store/notify.py).
+        task = asyncio.ensure_future(
+            store_queue.enqueue(self.ctx.pool, message, queue_id=queue_id, notify=False)
+        )
+        server.enqueuing += 1
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(_log_orphan_outcome)
+            raise
+        finally:
+            server.enqueuing -= 1
+
+    # ------------------------------------------------------------ errors
+
+    async def handle_exception(self, error: Exception) -> str:
+        if isinstance(error, TLSSetupException):
+            log.info("TLS handshake failed: %s", error.__cause__ or error)
+            return replies.TLS_FAILED
+        log.error("unexpected error in an SMTP session", exc_info=error)
+        return replies.LOCAL_ERROR
+
+
+_NAMES: dict[tuple[type, tuple[str, ...]], list[str]] = {}
+
+
+def names_with_prefixes(cls: type, prefixes: tuple[str, ...]) -> list[str]:
+    """The attribute names of `cls` that aiosmtpd looks up by prefix (computed once per class)."""
+    names = _NAMES.get((cls, prefixes))
+    if names is None:
+        names = _NAMES[cls, prefixes] = sorted(n for n in dir(cls) if n.startswith(prefixes))
+    return names
+
+
+def conversation(server: Any) -> Conversation:
+    conv = server.conversation
+    assert isinstance(conv, Conversation)
+    return conv
+
+
+def _log_orphan_outcome(task: asyncio.Future[uuid.UUID]) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        log.warning("a message whose client hung up during the commit was not queued: %s", exc)
+    else:
+        log.warning("message %s was queued but its client hung up before the reply", task.result())
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", "replace")
+
+
+def _printable(text: str | None) -> str | None:
+    if text is None:
+        return None
+    cleaned = "".join(
+        c if c.isprintable() and not 0xD800 <= ord(c) <= 0xDFFF else "?" for c in text
+    )
+    return cleaned[:255]

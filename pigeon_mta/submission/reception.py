@@ -1,0 +1,45 @@
+"""The one place a queued message is reported: log line and metrics (the delivery log hooks in here)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+
+from pigeon_mta.metrics import MESSAGES_ACCEPTED
+
+log = logging.getLogger("pigeon_mta.submission")
+
+
+@dataclass(frozen=True)
+class Reception:
+    """Everything known about a message when its commit has succeeded, before the 250 goes out."""
+
+    queue_id: uuid.UUID
+    org_id: uuid.UUID
+    listener: str
+    client_ip: str
+    helo: str | None
+    auth_user: str | None
+    sender: str  # "" is the null sender
+    recipients: tuple[str, ...]
+    size: int
+    message_id: str | None  # the Message-ID header value, without angle brackets
+    tls: str | None  # "TLSv1.3 TLS_AES_256_GCM_SHA384", None without TLS
+    received_at: datetime
+
+
+def record_reception(reception: Reception) -> None:
+    MESSAGES_ACCEPTED.labels(listener=reception.listener).inc()
+    log.info(
+        "queued %s listener=%s client=[%s] user=%s from=<%s> nrcpt=%d size=%d message-id=<%s>",
+        reception.queue_id,
+        reception.listener,
+        reception.client_ip,
+        reception.auth_user or "-",
+        reception.sender,
+        len(reception.recipients),
+        reception.size,
+        reception.message_id or "",
+    )
