@@ -93,6 +93,10 @@ mode = "relay"
 trusted_networks = ["127.0.0.1/32"]
 [metrics]
 listen = "127.0.0.1:{free_port()}"
+[delivery]
+enabled = false  # accept rate alone (bench/e2e.py measures accept + delivery)
+[log]
+delivery_log = ""
 """
     )
     OUT.mkdir(parents=True, exist_ok=True)

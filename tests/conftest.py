@@ -151,3 +151,12 @@ def run_pigeon(
         text=True,
         timeout=timeout,
     )
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop every `pigeon-mta serve` a test started and left running (by its PID)."""
+    from tests.e2e.serve_process import kill_leftovers
+
+    left = kill_leftovers()
+    if left:
+        print(f"\nkilled {left} pigeon-mta serve process(es) that tests left running")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -10,6 +11,21 @@ import time
 from pathlib import Path
 
 from tests.conftest import REPO, pigeon_command
+
+# Every serve started by a test, so that the session can kill what a test left behind (a test
+# that hit its timeout may never reach its own cleanup).
+STARTED: list[ServeProcess] = []
+
+
+def kill_leftovers() -> int:
+    """Kill every serve process a test started and did not stop; returns how many."""
+    killed = 0
+    for serve in STARTED:
+        if serve.proc.poll() is None:
+            serve.kill()
+            killed += 1
+    STARTED.clear()
+    return killed
 
 
 class ServeProcess:
@@ -33,6 +49,7 @@ class ServeProcess:
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        STARTED.append(self)
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -70,9 +87,27 @@ class ServeProcess:
         return code
 
     def kill(self) -> None:
+        """SIGKILL the supervisor and its worker processes (which would outlive it otherwise)."""
         if self.proc.poll() is None:
+            tree = descendants(self.proc.pid)
             os.kill(self.proc.pid, signal.SIGKILL)
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc)."""
+    found: list[int] = []
+    try:
+        direct = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return found
+    for child in map(int, direct):
+        found.append(child)
+        found.extend(descendants(child))
+    return found
 
 
 def write_config(directory: Path, text: str) -> Path:

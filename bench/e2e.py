@@ -1,0 +1,400 @@
+"""End to end: SMTP in -> queue -> engine (DKIM) -> SMTP out, on one machine, with real peers.
+
+    smtp-source (20 sessions, 5 KB) --SMTP--> relay listener of `pigeon-mta serve --processes N`
+        --> PostgreSQL (fresh database, fsync on) --> engine (RSA-2048 DKIM) --SMTP (relayhost)-->
+        smtp-sink on loopback
+
+Phase 1 (capacity): smtp-source sends --messages over reused connections as fast as pigeon takes
+them; reported: accept rate (messages / time until smtp-source finished), end-to-end rate (messages /
+time until the last one was delivered), the queue depth seen while it ran, and CPU per component.
+Phase 2 (latency): new mail offered at --half-rate (default: half the end-to-end rate of phase 1)
+for --latency-seconds; reported: accept-to-delivery p50 / p99 from the database (delivery time =
+attempt start + duration; accept time = the message row's received_at, the commit that preceded
+the 250). Also: peak RSS per pigeon process. Bounded in count and time; loopback only.
+
+    .venv/bin/python bench/e2e.py [--messages 20000] [--processes 2] [--dkim rsa|ed25519|none]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def with_db(url: str, name: str) -> str:
+    p = urlsplit(url)
+    return urlunsplit((p.scheme, p.netloc, "/" + name, p.query, ""))
+
+
+def cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def peak_rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def pids_named(name: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == name:
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+class Cpu:
+    """CPU seconds used by groups of processes between two readings."""
+
+    def __init__(self, groups: dict[str, list[int]]) -> None:
+        self.groups = groups
+        self.start = {g: sum(cpu_seconds(p) for p in pids) for g, pids in groups.items()}
+
+    def used(self) -> dict[str, float]:
+        return {
+            g: sum(cpu_seconds(p) for p in pids) - self.start[g] for g, pids in self.groups.items()
+        }
+
+
+def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        cmd, capture_output=True, text=True, env=env, check=True, timeout=120, **kwargs
+    )  # type: ignore[call-overload,no-any-return]
+
+
+def message_bytes(size: int, n: int) -> bytes:
+    head = (
+        f"From: sender@bench.test\r\nTo: rcpt@sink.test\r\nSubject: e2e {n}\r\n"
+        f"Message-ID: <e2e-{n}-{os.getpid()}@bench.test>\r\n\r\n"
+    ).encode()
+    line = b"x" * 76 + b"\r\n"
+    return head + line * max(1, (size - len(head)) // len(line))
+
+
+async def paced_load(port: int, rate: float, count: int, sessions: int, size: int) -> None:
+    """`count` messages at `rate` msgs/s over `sessions` reused connections (plain SMTP)."""
+    interval = sessions / rate
+    start = time.monotonic()
+
+    async def session(index: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        async def reply() -> bytes:
+            while True:
+                line = await reader.readline()
+                if line[3:4] != b"-":
+                    return line
+
+        await reply()
+        writer.write(b"EHLO loader.bench.test\r\n")
+        await reply()
+        n = index
+        due = start + index * interval / sessions
+        while n < count:
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            writer.write(b"MAIL FROM:<sender@bench.test>\r\n")
+            await reply()
+            writer.write(b"RCPT TO:<rcpt@sink.test>\r\n")
+            await reply()
+            writer.write(b"DATA\r\n")
+            await reply()
+            writer.write(message_bytes(size, n) + b".\r\n")
+            await reply()
+            n += sessions
+            due += interval
+        writer.write(b"QUIT\r\n")
+        await reply()
+        writer.close()
+
+    await asyncio.gather(*(session(i) for i in range(sessions)))
+
+
+async def delivered(conn: asyncpg.Connection) -> int:
+    return int(await conn.fetchval("SELECT count(*) FROM recipient WHERE status = 'delivered'"))
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--url",
+        default=os.environ.get(
+            "PIGEON_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+        ),
+    )
+    parser.add_argument("--messages", type=int, default=20000)
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--sessions", type=int, default=20)
+    parser.add_argument("--size", type=int, default=5120)
+    parser.add_argument("--dkim", choices=["rsa", "ed25519", "none"], default="rsa")
+    parser.add_argument("--half-rate", type=float, default=0.0, help="phase 2 offered msgs/s")
+    parser.add_argument("--latency-seconds", type=float, default=30)
+    parser.add_argument("--delivery-log", choices=["file", "off"], default="file")
+    parser.add_argument("--timeout", type=float, default=300, help="phase 1 gives up after this")
+    args = parser.parse_args()
+    for tool in ("smtp-source", "smtp-sink"):
+        if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
+            sys.exit(f"{tool} is missing: apt-get install postfix")
+    source = shutil.which("smtp-source") or "/usr/sbin/smtp-source"
+    sink_cmd = shutil.which("smtp-sink") or "/usr/sbin/smtp-sink"
+
+    work = Path(tempfile.mkdtemp(prefix="pigeon-e2e-"))
+    name = f"pigeon_e2e_{os.getpid()}"
+    admin = await asyncpg.connect(args.url)
+    await admin.execute(f'CREATE DATABASE "{name}"')
+    db_url = with_db(args.url, name)
+    relay_port, sink_port, metrics_port = free_port(), free_port(), free_port()
+    config = work / "pigeon.toml"
+    config.write_text(
+        f"""
+[server]
+hostname = "bench.test"
+data_dir = "{work}"
+node_name = "bench"
+processes = {args.processes}
+[database]
+url = "{db_url}"
+[[listener]]
+name = "relay"
+address = "127.0.0.1:{relay_port}"
+mode = "relay"
+[relay]
+trusted_networks = ["127.0.0.0/8"]
+[delivery]
+relayhost = "127.0.0.2:{sink_port}"
+relayhost_tls = "none"
+[metrics]
+listen = "127.0.0.1:{metrics_port}"
+[log]
+delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
+"""
+    )
+    py = sys.executable
+    pig = [py, "-m", "pigeon_mta"]
+    run([*pig, "migrate", "--config", str(config)])
+    run([*pig, "org", "add", "internal", "--config", str(config)])
+    run([*pig, "domain", "add", "internal", "bench.test", "--config", str(config)])
+    if args.dkim != "none":
+        run(
+            [
+                *pig,
+                "dkim",
+                "keygen",
+                "bench.test",
+                "--selector",
+                "b1",
+                "--algorithm",
+                args.dkim,
+                "--config",
+                str(config),
+            ]
+        )
+
+    sink = subprocess.Popen(
+        [sink_cmd, "-u", "nobody", "127.0.0.2:" + str(sink_port), "1000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    serve_log = open(work / "serve.log", "w")
+    serve = subprocess.Popen(
+        [*pig, "serve", "--config", str(config)],
+        stdout=serve_log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    results: dict[str, object] = {}
+    conn = await asyncpg.connect(db_url)
+    try:
+        deadline = time.monotonic() + 60
+        while (work / "serve.log").read_text().count("listener relay bound") < args.processes:
+            if time.monotonic() > deadline or serve.poll() is not None:
+                raise SystemExit("serve did not start:\n" + (work / "serve.log").read_text())
+            await asyncio.sleep(0.2)
+        workers = children(serve.pid)
+        pg = pids_named("postgres")
+        # ---------------- phase 1: capacity
+        cpu = Cpu(
+            {
+                "pigeon supervisor": [serve.pid],
+                "pigeon workers": workers,
+                "postgresql": pg,
+                "smtp-sink": [sink.pid],
+            }
+        )
+        began = time.monotonic()
+        load = subprocess.Popen(
+            [
+                source,
+                "-d",
+                "-s",
+                str(args.sessions),
+                "-l",
+                str(args.size),
+                "-m",
+                str(args.messages),
+                "-f",
+                "sender@bench.test",
+                "-t",
+                "rcpt@sink.test",
+                f"127.0.0.1:{relay_port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        max_depth = 0
+        accepted_at = None
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            if accepted_at is None and load.poll() is not None:
+                accepted_at = now
+            depth = int(
+                await conn.fetchval(
+                    "SELECT count(*) FROM recipient WHERE status IN ('queued','delivering')"
+                )
+            )
+            max_depth = max(max_depth, depth)
+            done = await delivered(conn)
+            if accepted_at is not None and done >= args.messages:
+                break
+            if now - began > args.timeout:
+                print(f"phase 1 timed out: {done} of {args.messages} delivered", file=sys.stderr)
+                break
+        finished = time.monotonic()
+        used = cpu.used()
+        wall = finished - began
+        accepted = int(await conn.fetchval("SELECT count(*) FROM message"))
+        e2e_done = await delivered(conn)
+        results["phase1"] = {
+            "messages_offered": args.messages,
+            "accepted": accepted,
+            "delivered": e2e_done,
+            "accept_rate": round(accepted / ((accepted_at or finished) - began), 1),
+            "e2e_rate": round(e2e_done / wall, 1),
+            "max_queue_depth": max_depth,
+            "wall_s": round(wall, 1),
+            "cpu_s": {k: round(v, 1) for k, v in used.items()},
+            "cores_busy": {k: round(v / wall, 2) for k, v in used.items()},
+            "load_stderr": (load.stderr.read().decode()[-300:] if load.stderr else ""),
+        }
+        # ---------------- phase 2: latency at half rate
+        rate = args.half_rate or max(10.0, results["phase1"]["e2e_rate"] / 2)  # type: ignore[index]
+        count = int(rate * args.latency_seconds)
+        mark = await conn.fetchval("SELECT now()")
+        began = time.monotonic()
+        cpu = Cpu(
+            {
+                "pigeon supervisor": [serve.pid],
+                "pigeon workers": workers,
+                "postgresql": pg,
+                "smtp-sink": [sink.pid],
+            }
+        )
+        load_cpu_before = time.process_time()
+        await paced_load(relay_port, rate, count, args.sessions, args.size)
+        results["loader_cpu_s"] = round(time.process_time() - load_cpu_before, 1)
+        offered_for = time.monotonic() - began
+        target = e2e_done + int(
+            await conn.fetchval("SELECT count(*) FROM message WHERE received_at >= $1", mark)
+        )
+        deadline = time.monotonic() + 60
+        while await delivered(conn) < target and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        used = cpu.used()
+        row = await conn.fetchrow(
+            """SELECT count(*) AS n,
+                      percentile_cont(0.5) WITHIN GROUP (ORDER BY lat) * 1000 AS p50,
+                      percentile_cont(0.99) WITHIN GROUP (ORDER BY lat) * 1000 AS p99,
+                      max(lat) * 1000 AS max
+               FROM (SELECT extract(epoch FROM a.started_at + a.duration_ms * interval '1 ms' - m.received_at) AS lat
+                     FROM attempt a JOIN message m ON m.id = a.message_id
+                     WHERE a.outcome = 'delivered' AND m.received_at >= $1) t""",
+            mark,
+        )
+        results["phase2"] = {
+            "offered_rate": round(row["n"] / offered_for, 1) if row["n"] else 0,
+            "target_rate": round(rate, 1),
+            "messages": row["n"],
+            "p50_ms": round(row["p50"] or 0, 1),
+            "p99_ms": round(row["p99"] or 0, 1),
+            "max_ms": round(row["max"] or 0, 1),
+            "cores_busy": {k: round(v / offered_for, 2) for k, v in used.items()},
+        }
+        results["peak_rss_mb"] = {
+            f"pid {p}": round(peak_rss_mb(p), 1) for p in [serve.pid, *workers]
+        }
+        results["dkim_signed"] = (
+            int(await conn.fetchval("SELECT count(*) FROM message")) and args.dkim
+        )
+    finally:
+        await conn.close()
+        serve.send_signal(signal.SIGTERM)
+        try:
+            serve.wait(60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+        sink.terminate()
+        sink.wait(10)
+        serve_log.close()
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+        shutil.rmtree(work, ignore_errors=True)
+    fsync = "on"
+    print(
+        f"# e2e {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {platform.node()}, {os.cpu_count()} cores, "
+        f"processes={args.processes}, dkim={args.dkim}, {args.size} B messages, {args.sessions} sessions, fsync={fsync}"
+    )
+    print(json.dumps(results, indent=2, default=float))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
