@@ -101,3 +101,17 @@ def add_common(parser: argparse.ArgumentParser) -> None:
 
 def eprint(text: str) -> None:
     print(text, file=sys.stderr)
+
+
+def format_age(seconds: float) -> str:
+    """A short human duration: "3d 4h", "12m 5s", "0s"."""
+    seconds = max(0, seconds)
+    seconds = int(seconds)
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            parts.append(f"{seconds // size}{unit}")
+            seconds %= size
+    if seconds or not parts:
+        parts.append(f"{seconds}s")
+    return " ".join(parts[:2])

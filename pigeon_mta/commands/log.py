@@ -6,7 +6,7 @@ import argparse
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from pigeon_mta.commands.common import CliError, add_common, open_database, print_rows
+from pigeon_mta.commands.common import CliError, add_common, format_age, open_database, print_rows
 from pigeon_mta.deliverylog import story_records, to_json_line
 from pigeon_mta.model import EVENT_TYPE, Outcome
 from pigeon_mta.store import events as store_events
@@ -141,7 +141,7 @@ def state_text(r: RecipientRecord, now: datetime) -> str:
             "due now"
             if r.next_attempt_at <= now
             else f"next attempt {_time(r.next_attempt_at)} UTC "
-            f"(in {_duration((r.next_attempt_at - now).total_seconds())})"
+            f"(in {format_age((r.next_attempt_at - now).total_seconds())})"
         )
         if r.attempts == 0:
             return f"queued, not tried yet; {when}"
@@ -155,15 +155,3 @@ def state_text(r: RecipientRecord, now: datetime) -> str:
 
 def _time(when: datetime) -> str:
     return when.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    parts = []
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            parts.append(f"{seconds // size}{unit}")
-            seconds %= size
-    if seconds or not parts:
-        parts.append(f"{seconds}s")
-    return " ".join(parts[:2])

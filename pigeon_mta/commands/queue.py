@@ -12,6 +12,7 @@ from pigeon_mta.commands.common import (
     CliError,
     add_common,
     eprint,
+    format_age,
     jsonable,
     open_database,
     print_object,
@@ -191,18 +192,6 @@ def summary_object(summary: admin_queue.QueueSummary) -> dict[str, Any]:
             for d in summary.top_deferred
         ],
     }
-
-
-def format_age(seconds: float) -> str:
-    seconds = int(seconds)
-    parts = []
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            parts.append(f"{seconds // size}{unit}")
-            seconds %= size
-    if seconds or not parts:
-        parts.append(f"{seconds}s")
-    return " ".join(parts[:2])
 
 
 # ---------------------------------------------------------------- list / show
