@@ -40,7 +40,13 @@ def with_db(url: str, name: str) -> str:
 
 
 async def enqueue_rate(
-    url: str, org_id: uuid.UUID, connections: int, count: int, seconds: float
+    url: str,
+    org_id: uuid.UUID,
+    connections: int,
+    count: int,
+    seconds: float,
+    *,
+    notify: bool = True,
 ) -> float:
     conns = [await asyncpg.connect(url) for _ in range(connections)]
     per = count // connections
@@ -52,6 +58,7 @@ async def enqueue_rate(
             await queue.enqueue(
                 conn,
                 Envelope(org_id, "bench@example.com", ("rcpt@example.net",), BODY, "bench"),
+                notify=notify,
             )
             done += 1
         return done
@@ -157,14 +164,18 @@ async def main() -> None:
         fsync = await conn.fetchval("SHOW fsync")
         sync_commit = await conn.fetchval("SHOW synchronous_commit")
 
-        for connections, target in ((1, "2,000"), (16, "6,000")):
-            rate = await enqueue_rate(url, org_id, connections, int(20000 * scale), 15)
-            results.append(
-                (
-                    f"enqueue 5 KB, 1 recipient, {connections} connection(s)",
-                    f"{rate:,.0f} msgs/s (target >= {target})",
+        for notify in (True, False):
+            for connections, target in ((1, "2,000"), (16, "6,000")):
+                rate = await enqueue_rate(
+                    url, org_id, connections, int(20000 * scale), 15, notify=notify
                 )
-            )
+                how = "NOTIFY in the transaction" if notify else "no NOTIFY (submission path)"
+                results.append(
+                    (
+                        f"enqueue 5 KB, 1 recipient, {connections} connection(s), {how}",
+                        f"{rate:,.0f} msgs/s (target >= {target})",
+                    )
+                )
         await conn.execute("TRUNCATE message, recipient, attempt CASCADE")
 
         n = int(200_000 * scale)
