@@ -55,7 +55,15 @@ log = logging.getLogger(__name__)
 
 Signer = Callable[[Delivery], Awaitable[bytes]]
 
-DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
+# InternalClientError too: asyncpg raises it ("cannot switch to state ...") when the server cuts a
+# session in the middle of an operation, as a PostgreSQL restart does.
+DB_ERRORS = (
+    OSError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    TimeoutError,
+)
 
 # Results recorded in one statement at most; a busy engine records in batches of up to this.
 RECORD_BATCH = 1000
