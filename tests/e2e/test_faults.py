@@ -20,7 +20,7 @@ import signal
 import smtplib
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -227,9 +227,10 @@ async def wait_delivered(
         ) from None
 
 
-async def wait_until(predicate: object, timeout: float, what: str) -> None:
+async def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll predicate (in a thread: it may block) until true."""
     deadline = time.monotonic() + timeout
-    while not await asyncio.to_thread(predicate):  # type: ignore[arg-type]
+    while not await asyncio.to_thread(predicate):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} within {timeout}s")
         await asyncio.sleep(0.1)
@@ -246,9 +247,10 @@ def descendants(pid: int) -> list[int]:
         current = todo.pop()
         with contextlib.suppress(OSError):
             for task in os.listdir(f"/proc/{current}/task"):
-                with contextlib.suppress(OSError), open(
-                    f"/proc/{current}/task/{task}/children"
-                ) as handle:
+                with (
+                    contextlib.suppress(OSError),
+                    open(f"/proc/{current}/task/{task}/children") as handle,
+                ):
                     for child in handle.read().split():
                         found.append(int(child))
                         todo.append(int(child))
@@ -332,9 +334,11 @@ async def test_kill_9_of_every_process_during_load_loses_nothing_accepted(
     with LoadClient(node.relay_port, "slow") as client:
         try:
             await state.wait_for(
-                lambda: len(delivered_ids(state)) >= 10
-                and state.in_flight >= 1
-                and len(client.accepted) >= 30,
+                lambda: (
+                    len(delivered_ids(state)) >= 10
+                    and state.in_flight >= 1
+                    and len(client.accepted) >= 30
+                ),
                 timeout=90,
             )
         finally:
@@ -411,7 +415,6 @@ async def test_database_gone_during_load_gives_451_and_pigeon_recovers_by_itself
         assert {r.code for r in down} <= {250, 451}, [r for r in down if r.code not in (250, 451)]
         assert_no_crash(serve)
 
-        accepted_at = delivered_at = None
         fresh: str | None = None
         n = 0
         while time.monotonic() - back < 60 and fresh is None:
@@ -426,8 +429,10 @@ async def test_database_gone_during_load_gives_451_and_pigeon_recovers_by_itself
         assert fresh is not None, serve.output
         await wait_delivered(state, [fresh], serve, timeout=60)
         delivered_at = time.monotonic() - back
-        print(f"after the database's return: accepted in {accepted_at:.1f}s,"
-              f" delivered in {delivered_at:.1f}s")
+        print(
+            f"after the database's return: accepted in {accepted_at:.1f}s,"
+            f" delivered in {delivered_at:.1f}s"
+        )
         assert delivered_at <= 10, (accepted_at, delivered_at)
         await wait_delivered(state, client.accepted, serve, timeout=90)
         assert_no_crash(serve)
@@ -491,7 +496,9 @@ async def test_read_only_database_gives_451_without_crash_and_recovers_when_writ
         await asyncio.sleep(2)  # the engine and sweeper meet the read-only database too
         assert_no_crash(serve)
 
-        await admin_execute(admin_url, f'ALTER DATABASE "{name}" RESET default_transaction_read_only')
+        await admin_execute(
+            admin_url, f'ALTER DATABASE "{name}" RESET default_transaction_read_only'
+        )
         await terminate_backends(admin_url, name)
         later: Reply | None = None
         for n in range(5, 200):
@@ -503,7 +510,9 @@ async def test_read_only_database_gives_451_without_crash_and_recovers_when_writ
         await wait_delivered(state, [first.queue_id, later.queue_id], serve, timeout=60)
         assert_no_crash(serve)
     finally:
-        await admin_execute(admin_url, f'ALTER DATABASE "{name}" RESET default_transaction_read_only')
+        await admin_execute(
+            admin_url, f'ALTER DATABASE "{name}" RESET default_transaction_read_only'
+        )
         assert await stop_serve(serve) == 0, serve.output
 
 
