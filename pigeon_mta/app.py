@@ -40,7 +40,15 @@ from pigeon_mta.store.notify import NotifySender
 
 log = logging.getLogger("pigeon_mta.serve")
 
-DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
+# InternalClientError too: asyncpg raises it ("cannot switch to state ...") when the server cuts a
+# session in the middle of an operation, as a PostgreSQL restart does.
+DB_ERRORS = (
+    OSError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    TimeoutError,
+)
 
 
 def process_count(settings: Settings, requested: int | None) -> int:

@@ -45,6 +45,7 @@ from pigeon_mta.outbound.classify import backoff_delay, classify
 from pigeon_mta.outbound.limits import Gate, Gates, policy_for
 from pigeon_mta.outbound.mx import Route, RouteFailure, Router
 from pigeon_mta.outbound.pool import ConnectionPool, ConnectOptions, NotConnected
+from pigeon_mta.signer import KeysUnavailable
 from pigeon_mta.store import bounces as store_bounces
 from pigeon_mta.store import queue as store_queue
 from pigeon_mta.store import suppression as store_suppression
@@ -55,7 +56,15 @@ log = logging.getLogger(__name__)
 
 Signer = Callable[[Delivery], Awaitable[bytes]]
 
-DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
+# InternalClientError too: asyncpg raises it ("cannot switch to state ...") when the server cuts a
+# session in the middle of an operation, as a PostgreSQL restart does.
+DB_ERRORS = (
+    OSError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    TimeoutError,
+)
 
 # Results recorded in one statement at most; a busy engine records in batches of up to this.
 RECORD_BATCH = 1000
@@ -349,8 +358,13 @@ class DeliveryEngine:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            # A bug must not lose mail: the recipients are deferred and the error logged.
-            log.exception("delivery of message %s failed unexpectedly", delivery.message_id)
+            if isinstance(exc, KeysUnavailable):
+                # The database is away (a restart, a failover): a temporary local failure, and
+                # expected, so no traceback.
+                log.warning("message %s deferred: %s", delivery.message_id, exc)
+            else:
+                # A bug must not lose mail: the recipients are deferred and the error logged.
+                log.exception("delivery of message %s failed unexpectedly", delivery.message_id)
             results = self._judge(
                 delivery,
                 [RecipientResult(r, "connect", exc) for r in delivery.recipients],

@@ -24,6 +24,16 @@ log = logging.getLogger(__name__)
 
 Connector = Callable[[], Awaitable[asyncpg.Connection]]
 
+# What a lost or refused database connection raises (InternalClientError: a session cut in the
+# middle of an operation).
+_DB_ERRORS = (
+    OSError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    TimeoutError,
+)
+
 
 class QueueWaker:
     def __init__(self, connect: Connector, *, retry_delay: float = 1.0) -> None:
@@ -77,7 +87,7 @@ class QueueWaker:
                 conn = await self._connect()
                 conn.add_termination_listener(lambda _c, lost=lost: lost.set())
                 await conn.add_listener(NOTIFY_CHANNEL, self._on_notify)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+            except _DB_ERRORS as exc:
                 log.warning("queue LISTEN connection failed: %s; retrying", exc)
                 await self._sleep(self._retry_delay)
                 continue
@@ -104,7 +114,7 @@ class QueueWaker:
                 break
             try:
                 await asyncio.wait_for(conn.execute("SELECT 1"), 2.0)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+            except _DB_ERRORS:
                 break
         with contextlib.suppress(Exception):
             conn.terminate()
@@ -146,7 +156,7 @@ class NotifySender:
             try:
                 await self._pool.execute("SELECT pg_notify($1, '')", NOTIFY_CHANNEL)
                 self.sent += 1
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+            except _DB_ERRORS as exc:
                 # Other engines will find the mail at their next poll.
                 log.debug("NOTIFY failed: %s", exc)
                 await asyncio.sleep(0.5)

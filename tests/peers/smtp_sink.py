@@ -13,6 +13,8 @@ The local part up to a "+" names the behaviour (`tempfail+7@example.test`):
     drop-after-dot   the first time: the whole message is read, then the connection is cut
                      before the reply (the message counts as received: a possible duplicate)
     slow             the reply to the final dot waits `slow_seconds`
+    hang-data        the first time: the whole message is read, then the final dot never gets a
+                     reply (until the client goes away); afterwards accept
     hang             RCPT never gets a reply (until the client goes away)
 
 A sink can also greet with a refusal (`greeting="421 ..."`), offer STARTTLS (trustme certificate),
@@ -149,6 +151,12 @@ class SinkHandler:
             assert server.transport is not None
             server.transport.abort()
             await asyncio.sleep(3600)  # cancelled by the connection loss
+        if "hang-data" in kinds and self._first("hang-data", envelope):
+            received.replied = False
+            state.messages.append(received)
+            self._end(session)
+            state._note()
+            await asyncio.sleep(3600)  # cancelled when the client gives up and hangs up
         if "slow" in kinds:
             await asyncio.sleep(state.slow_seconds)
         self._end(session)
