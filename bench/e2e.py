@@ -96,9 +96,14 @@ class Cpu:
         self.start = {g: sum(cpu_seconds(p) for p in pids) for g, pids in groups.items()}
 
     def used(self) -> dict[str, float]:
-        return {
-            g: sum(cpu_seconds(p) for p in pids) - self.start[g] for g, pids in self.groups.items()
-        }
+        out = {}
+        for group, pids in self.groups.items():
+            total = sum(cpu_seconds(p) for p in pids) - self.start[group]
+            if group == "postgresql":
+                # Backends started during the run (new pool connections) count from zero.
+                total += sum(cpu_seconds(p) for p in pids_named("postgres") if p not in pids)
+            out[group] = total
+        return out
 
 
 def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
