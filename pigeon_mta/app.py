@@ -110,6 +110,9 @@ class Maintenance:
                 if self.healthy:
                     log.warning("queue maintenance cannot reach the database: %s", exc)
                 self.healthy = False
+            except Exception:
+                # Sweeping, expiry and stats must outlive a bug in one round.
+                log.exception("queue maintenance round failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
 
@@ -238,10 +241,19 @@ async def run_worker(settings: Settings, url: str, index: int, stop: asyncio.Eve
     pool = await store_connect.create_pool(url, settings)
     started: list[Service] = []
     try:
-        for service in worker_services(settings, pool, url, index):
-            await service.start()
-            started.append(service)
-            _RUNNING.append(service)
+        try:
+            for service in worker_services(settings, pool, url, index):
+                await service.start()
+                started.append(service)
+                _RUNNING.append(service)
+        except BaseException:
+            # What already runs (the engine may hold claims) stops cleanly and hands work back.
+            deadline = asyncio.get_running_loop().time() + settings.server.shutdown_timeout
+            _RUNNING.clear()
+            for service in reversed(started):
+                with contextlib.suppress(Exception):
+                    await service.stop(deadline)
+            raise
         log.info("worker %d ready", index)
         metrics.WORKER_STARTS.inc()
         metrics.WORKERS_READY.set(1)
@@ -331,23 +343,38 @@ async def serve(settings: Settings, *, processes: int | None = None) -> int:
         )
         tasks = [asyncio.create_task(maintenance.run(stop), name="maintenance")]
         if count == 1:
-            tasks.append(asyncio.create_task(run_worker(settings, location.url, 0, stop)))
+            tasks.append(
+                asyncio.create_task(run_worker(settings, location.url, 0, stop), name="worker")
+            )
         else:
             tasks.append(
                 asyncio.create_task(
                     _supervise_children(settings, location.url, count, stop, exposition)
                 )
             )
-        await stop.wait()
+        stopper = asyncio.create_task(stop.wait(), name="stop")
+        await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        failed = [t for t in tasks if t.done() and t.exception() is not None]
+        if not stop.is_set():
+            # A part of the node died on its own (e.g. a listener could not bind): stop the rest
+            # and exit non-zero, so that systemd's Restart=on-failure sees it.
+            log.error(
+                "stopping: %s ended unexpectedly",
+                ", ".join(t.get_name() for t in tasks if t.done()),
+            )
+            stop.set()
         log.info("stopping: draining in-flight work (up to %gs)", settings.server.shutdown_timeout)
         done, pending = await asyncio.wait(tasks, timeout=settings.server.shutdown_timeout + 10)
+        stopper.cancel()
         for task in pending:
             task.cancel()
         for task in done:
             if task.exception() is not None:
                 log.error("%s ended with an error: %s", task.get_name(), task.exception())
+                if task not in failed:
+                    failed.append(task)
     log.info("stopped")
-    return 0
+    return 1 if failed else 0
 
 
 def _metrics_exposition(count: int) -> MetricsExposition:
@@ -418,17 +445,33 @@ async def _supervise_children(
 
     for i in range(count):
         start(i)
+    # A worker that keeps dying (say, its listener cannot bind) is restarted after a growing pause,
+    # so that it does not claim and abandon a batch every second.
+    failures: dict[int, int] = {}
+    restart_at: dict[int, float] = {}
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 1.0)
+        now = loop_time()
         for index, proc in list(children.items()):
-            if not proc.is_alive() and not stop.is_set():
+            if stop.is_set() or proc.is_alive():
+                continue
+            if index not in restart_at:
+                failures[index] = failures.get(index, 0) + 1
+                pause = min(60.0, 2.0 ** (failures[index] - 1)) if failures[index] > 1 else 0.0
+                restart_at[index] = now + pause
                 log.error(
-                    "worker %d (pid %s) exited with %s; restarting", index, proc.pid, proc.exitcode
+                    "worker %d (pid %s) exited with %s; restarting in %gs",
+                    index,
+                    proc.pid,
+                    proc.exitcode,
+                    pause,
                 )
                 if proc.pid is not None:
                     exposition.worker_exited(proc.pid)
                 _CHILD_PIDS.discard(proc.pid or 0)
+            if now >= restart_at[index]:
+                del restart_at[index]
                 start(index)
     for proc in children.values():
         if proc.is_alive() and proc.pid is not None:

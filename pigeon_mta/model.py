@@ -61,6 +61,21 @@ class Envelope:
     auth_user: str | None = None
 
 
+def storable_text(text: str | None) -> str | None:
+    """Text from a remote peer made safe to store and log: undecodable bytes (aiosmtplib keeps them
+    as lone surrogates) become U+FFFD and NUL characters go; PostgreSQL rejects both."""
+    if text is None:
+        return None
+    if "\x00" in text:
+        text = text.replace("\x00", "")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        text = text.encode("utf-8", "replace").decode("utf-8")
+    return text
+
+
 @dataclass(frozen=True)
 class Reply:
     """An SMTP reply, or a local failure dressed as one (code 0 when nothing was said)."""
@@ -68,6 +83,13 @@ class Reply:
     code: int
     enhanced_code: str | None
     text: str
+
+    def storable(self) -> Reply:
+        """This reply with its texts made safe to store (see storable_text)."""
+        enhanced, text = storable_text(self.enhanced_code), storable_text(self.text)
+        if enhanced == self.enhanced_code and text == self.text:
+            return self
+        return Reply(self.code, enhanced, text or "")
 
     def __str__(self) -> str:
         parts = [str(self.code)] if self.code else []

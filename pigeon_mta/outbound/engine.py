@@ -283,6 +283,11 @@ class DeliveryEngine:
                 log.warning("delivery engine cannot claim work: %s", exc)
                 await self._idle(delivery.poll_interval)
                 continue
+            except Exception:
+                # A bug must not silently end claiming for the life of the process.
+                log.exception("delivery engine: claiming failed unexpectedly")
+                await self._idle(delivery.poll_interval)
+                continue
             now = loop.time()
             count = 0
             for d in claimed:
@@ -482,7 +487,7 @@ class DeliveryEngine:
                     org_id=delivery.org_id,
                     attempt=item.recipient.attempts,
                     outcome=outcome,
-                    reply=verdict.reply,
+                    reply=verdict.reply.storable(),
                     started_at=started_at,
                     duration=duration,
                     next_attempt_at=next_at,
@@ -523,7 +528,9 @@ class DeliveryEngine:
                 suppress_for=self.settings.bounces.suppress_for,
             )
         for result in results:
-            DELIVERIES.labels(outcome=str(result.outcome)).inc()
+            # Only outcomes that took effect: a fenced-out (stale) result is logged, not counted.
+            if result.recipient_id in applied:
+                DELIVERIES.labels(outcome=str(result.outcome)).inc()
         self._log_results(results)
 
     def _log_results(self, results: Sequence[AttemptResult]) -> None:
@@ -555,6 +562,14 @@ class DeliveryEngine:
                     return
                 await asyncio.sleep(1.0)
                 continue
+            except Exception:
+                # Keep the results (dropping them would send the mail again after the lease);
+                # the error is in the log every time it happens.
+                log.exception("could not record %d delivery result(s); retrying", len(batch))
+                if self._recorder_done:
+                    return
+                await asyncio.sleep(1.0)
+                continue
             del self._pending[: len(batch)]
             for result in batch:
                 self._held.pop(result.recipient_id, None)
@@ -574,6 +589,9 @@ class DeliveryEngine:
                 await store_queue.renew_leases(self.pool, due, owner=self.owner, lease=lease)
             except DB_ERRORS as exc:
                 log.warning("could not renew %d lease(s): %s", len(due), exc)
+                continue
+            except Exception:
+                log.exception("could not renew %d lease(s)", len(due))
                 continue
             for rid in due:
                 held = self._held.get(rid)

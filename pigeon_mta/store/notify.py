@@ -83,12 +83,15 @@ class QueueWaker:
         first = True
         while not self._closed.is_set():
             lost = asyncio.Event()
+            conn = None
             try:
                 conn = await self._connect()
                 conn.add_termination_listener(lambda _c, lost=lost: lost.set())
                 await conn.add_listener(NOTIFY_CHANNEL, self._on_notify)
             except _DB_ERRORS as exc:
                 log.warning("queue LISTEN connection failed: %s; retrying", exc)
+                if conn is not None:  # connected, but LISTEN failed: do not leak the session
+                    conn.terminate()
                 await self._sleep(self._retry_delay)
                 continue
             self._conn = conn

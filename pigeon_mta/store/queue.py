@@ -25,6 +25,7 @@ from pigeon_mta.model import (
     Envelope,
     Outcome,
     Status,
+    storable_text,
 )
 
 Executor = asyncpg.Pool | asyncpg.Connection
@@ -117,7 +118,7 @@ WITH c AS (
         FOR UPDATE SKIP LOCKED))
     RETURNING r.id, r.message_id, r.domain, r.address, r.attempts
 )
-SELECT m.id, m.org_id, m.sender, m.header_message_id, m.received_at, m.body, c.domain,
+SELECT m.id, m.org_id, m.sender, m.header_message_id, m.received_at, c.domain,
        array_agg(c.id ORDER BY c.address) AS ids,
        array_agg(c.address ORDER BY c.address) AS addresses,
        array_agg(c.attempts ORDER BY c.address) AS attempts
@@ -132,6 +133,17 @@ async def claim_due_recipients(
 ) -> list[Delivery]:
     """Claim up to `batch` due recipients, grouped into one Delivery per (message, domain)."""
     rows = await db.fetch(_CLAIM, float(lease), owner, batch)
+    if not rows:
+        return []
+    # Each body once, however many destination domains its recipients are spread over (a large
+    # message to a hundred domains is fetched once, not a hundred times).
+    bodies = {
+        r["id"]: r["body"]
+        for r in await db.fetch(
+            "SELECT id, body FROM message WHERE id = ANY ($1::uuid[])",
+            list({row["id"] for row in rows}),
+        )
+    }
     return [
         Delivery(
             message_id=row["id"],
@@ -140,7 +152,7 @@ async def claim_due_recipients(
             domain=row["domain"],
             header_message_id=row["header_message_id"],
             received_at=row["received_at"],
-            body=row["body"],
+            body=bodies[row["id"]],
             recipients=tuple(
                 ClaimedRecipient(id=i, address=a, attempts=n)
                 for i, a, n in zip(row["ids"], row["addresses"], row["attempts"], strict=True)
@@ -212,16 +224,16 @@ async def record_attempts(db: Executor, results: Sequence[AttemptResult]) -> set
         [r.started_at for r in results],
         [r.duration for r in results],
         [r.next_attempt_at for r in results],
-        [r.mx_host for r in results],
-        [r.ip for r in results],
+        [storable_text(r.mx_host) for r in results],
+        [storable_text(r.ip) for r in results],
         [r.port for r in results],
-        [r.tls_version for r in results],
-        [r.tls_cipher for r in results],
+        [storable_text(r.tls_version) for r in results],
+        [storable_text(r.tls_cipher) for r in results],
         [r.reply.code or None for r in results],
-        [r.reply.enhanced_code for r in results],
-        [r.reply.text for r in results],
-        [r.category for r in results],
-        [r.rule for r in results],
+        [storable_text(r.reply.enhanced_code) for r in results],
+        [storable_text(r.reply.text) for r in results],
+        [storable_text(r.category) for r in results],
+        [storable_text(r.rule) for r in results],
     )
     return {row["recipient_id"] for row in rows if row["applied"]}
 

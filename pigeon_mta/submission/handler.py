@@ -253,7 +253,11 @@ class SubmissionHandler:
         parsed = parse_mailbox(address, smtputf8=bool(envelope.smtp_utf8))
         if not isinstance(parsed, Mailbox):
             return _ADDRESS_REPLIES[parsed]
-        envelope.rcpt_tos.append(str(parsed))
+        mailbox = str(parsed)
+        if _mailbox_key(mailbox) in {_mailbox_key(r) for r in envelope.rcpt_tos}:
+            # The same recipient twice in one envelope is delivered once (as Postfix does).
+            return replies.RECIPIENT_OK
+        envelope.rcpt_tos.append(mailbox)
         envelope.rcpt_options.extend(options)
         return replies.RECIPIENT_OK
 
@@ -426,3 +430,9 @@ def _printable(text: str | None) -> str | None:
         c if c.isprintable() and not 0xD800 <= ord(c) <= 0xDFFF else "?" for c in text
     )
     return cleaned[:255]
+
+
+def _mailbox_key(address: str) -> str:
+    """Two spellings of one mailbox: the local part as written, the domain in any case."""
+    local, _, domain = address.rpartition("@")
+    return f"{local}@{domain.lower()}"

@@ -38,3 +38,29 @@ def test_serve_on_a_configured_database_stops_on_sigint(tmp_path: Path, db_url: 
         code = serve.stop(signal.SIGINT)
     assert code == 0, serve.output
     assert "node test-node serving" in serve.output
+
+
+def test_serve_exits_non_zero_when_a_listener_cannot_bind(tmp_path: Path, db_url: str) -> None:
+    """The port is taken by another program: serve says so and exits 1 (systemd restarts it)."""
+    import socket
+
+    from tests.conftest import free_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = write_config(
+            tmp_path,
+            f'[server]\nnode_name = "bind-test"\ndata_dir = "{tmp_path}"\n'
+            f'[database]\nurl = "{db_url}"\n'
+            f'[[listener]]\nname = "relay"\naddress = "127.0.0.1:{port}"\n'
+            f'[metrics]\nlisten = "127.0.0.1:{free_port()}"\n',
+        )
+        serve = ServeProcess("--config", str(config), "--processes", "1")
+        try:
+            code = serve.proc.wait(60)
+        finally:
+            serve.kill()
+    assert code == 1, serve.output
+    assert "cannot bind" in serve.output

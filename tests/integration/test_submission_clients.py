@@ -210,3 +210,26 @@ async def test_client_headers_are_kept_and_forged_results_removed(
     assert b"smtp.auth=ceo" not in body
     assert b"Authentication-Results: other.example; spf=pass\r\n" in body
     assert body.endswith(b"\r\n\r\nline one\r\nline two\r\n")
+
+
+async def test_the_same_recipient_twice_in_one_envelope_is_queued_once(
+    tmp_path: Path, db_url: str, pool: asyncpg.Pool
+) -> None:
+    async with running_service(
+        make_settings(tmp_path, db_url, make_tls(tmp_path)), pool
+    ) as running:
+
+        def send() -> dict[str, tuple[int, bytes]]:
+            with smtp_client(running.port("relay")) as client:
+                return client.sendmail(
+                    "cron@host.internal",
+                    ["ops@example.net", "ops@EXAMPLE.net", "other@example.net", "ops@example.net"],
+                    message("cron@host", "ops"),
+                )
+
+        refused = await asyncio.to_thread(send)
+    assert refused == {}
+    addresses = [
+        r["address"] for r in await pool.fetch("SELECT address FROM recipient ORDER BY address")
+    ]
+    assert addresses == ["ops@example.net", "other@example.net"]
