@@ -225,9 +225,10 @@ class DeliveryEngine:
             if final:
                 await self.record(final)
                 for result in final:
-                    self._held.pop(result.recipient_id, None)
+                    self._forget(result)
+            ids, attempts = self._claims(list(self._held))
             released = await store_queue.release_leases(
-                self.pool, list(self._held), owner=self.owner
+                self.pool, ids, owner=self.owner, attempts=attempts
             )
         except DB_ERRORS as exc:
             log.error(
@@ -310,8 +311,11 @@ class DeliveryEngine:
             # Without the list we cannot know who must not be mailed: hand the claim back.
             log.warning("cannot read the suppression list: %s; releasing the claim", exc)
             ids = [r.id for d in claimed for r in d.recipients]
+            attempts = [r.attempts for d in claimed for r in d.recipients]
             with contextlib.suppress(*DB_ERRORS):
-                await store_queue.release_leases(self.pool, ids, owner=self.owner)
+                await store_queue.release_leases(
+                    self.pool, ids, owner=self.owner, attempts=attempts
+                )
             for rid in ids:
                 self._held.pop(rid, None)
             await self._idle(self.delivery.poll_interval)
@@ -441,9 +445,12 @@ class DeliveryEngine:
     async def _postpone(self, delivery: Delivery, seconds: float) -> None:
         """The destination has no room now: back to the queue until it should, unattempted."""
         ids = [r.id for r in delivery.recipients]
+        attempts = [r.attempts for r in delivery.recipients]
         until = datetime.now(UTC) + timedelta(seconds=seconds * self._rng.uniform(1.0, 1.2))
         try:
-            await store_throttle.postpone_claims(self.pool, ids, owner=self.owner, until=until)
+            await store_throttle.postpone_claims(
+                self.pool, ids, owner=self.owner, until=until, attempts=attempts
+            )
         except DB_ERRORS as exc:
             # No longer renewed, the claim runs out and the lease sweeper queues them again.
             log.warning("could not postpone throttled recipients: %s", exc)
@@ -572,7 +579,7 @@ class DeliveryEngine:
                 continue
             del self._pending[: len(batch)]
             for result in batch:
-                self._held.pop(result.recipient_id, None)
+                self._forget(result)
 
     # ------------------------------------------------------------ leases
 
@@ -585,8 +592,11 @@ class DeliveryEngine:
             due = [rid for rid, held in self._held.items() if now - held.renewed_at >= lease / 3]
             if not due:
                 continue
+            ids, attempts = self._claims(due)
             try:
-                await store_queue.renew_leases(self.pool, due, owner=self.owner, lease=lease)
+                await store_queue.renew_leases(
+                    self.pool, ids, owner=self.owner, lease=lease, attempts=attempts
+                )
             except DB_ERRORS as exc:
                 log.warning("could not renew %d lease(s): %s", len(due), exc)
                 continue
@@ -597,6 +607,17 @@ class DeliveryEngine:
                 held = self._held.get(rid)
                 if held is not None:
                     held.renewed_at = now
+
+    def _claims(self, ids: Sequence[uuid.UUID]) -> tuple[list[uuid.UUID], list[int]]:
+        """The (recipient id, attempt number) of each claim this process holds among `ids`."""
+        held = [(rid, self._held[rid].recipient.attempts) for rid in ids if rid in self._held]
+        return [rid for rid, _ in held], [n for _, n in held]
+
+    def _forget(self, result: AttemptResult) -> None:
+        """Drop the claim a recorded result belonged to; not a newer claim of the same row."""
+        held = self._held.get(result.recipient_id)
+        if held is not None and held.recipient.attempts == result.attempt:
+            del self._held[result.recipient_id]
 
     # ------------------------------------------------------------ introspection
 

@@ -246,8 +246,32 @@ WHERE id = ANY ($1::uuid[]) AND status = 'delivering' AND lease_owner = $2
 """
 
 
-async def renew_leases(db: Executor, ids: Sequence[uuid.UUID], *, owner: str, lease: float) -> int:
-    """Extend the lease of rows still held by `owner` (a long transaction keeps its claim)."""
+# The fenced forms also match the claim's attempt number: processes of one node share its name as
+# lease owner, so the name alone cannot tell a claim from a newer claim of the same row (taken after
+# the first one's lease ran out).
+_RENEW_FENCED = """
+UPDATE recipient r SET lease_until = now() + make_interval(secs => $3), updated_at = now()
+FROM unnest($1::uuid[], $4::int[]) AS v (id, attempt)
+WHERE r.id = v.id AND r.attempts = v.attempt AND r.status = 'delivering' AND r.lease_owner = $2
+"""
+
+
+async def renew_leases(
+    db: Executor,
+    ids: Sequence[uuid.UUID],
+    *,
+    owner: str,
+    lease: float,
+    attempts: Sequence[int] | None = None,
+) -> int:
+    """Extend the lease of rows still held by `owner` (a long transaction keeps its claim).
+
+    With `attempts` (the attempt number of each claim), only those very claims are renewed.
+    """
+    if attempts is not None:
+        return _count(
+            await db.execute(_RENEW_FENCED, list(ids), owner, float(lease), list(attempts))
+        )
     result = await db.execute(_RENEW, list(ids), owner, float(lease))
     return _count(result)
 
@@ -262,7 +286,25 @@ WHERE id = ANY ($1::uuid[]) AND status = 'delivering' AND lease_owner = $2
 """
 
 
-async def release_leases(db: Executor, ids: Sequence[uuid.UUID], *, owner: str) -> int:
+_RELEASE_FENCED = """
+UPDATE recipient r
+SET status = 'queued', attempts = r.attempts - 1, lease_until = NULL, lease_owner = NULL,
+    updated_at = now()
+FROM unnest($1::uuid[], $3::int[]) AS v (id, attempt)
+WHERE r.id = v.id AND r.attempts = v.attempt AND r.status = 'delivering' AND r.lease_owner = $2
+"""
+
+
+async def release_leases(
+    db: Executor,
+    ids: Sequence[uuid.UUID],
+    *,
+    owner: str,
+    attempts: Sequence[int] | None = None,
+) -> int:
+    """Undo unattempted claims; with `attempts`, only those very claims (see _RENEW_FENCED)."""
+    if attempts is not None:
+        return _count(await db.execute(_RELEASE_FENCED, list(ids), owner, list(attempts)))
     return _count(await db.execute(_RELEASE, list(ids), owner))
 
 

@@ -372,3 +372,27 @@ async def test_retention_never_purges_recent_mail_whatever_its_id(
     assert low_ids > 0, "the test needs some ids that sort below the cutoff"
     assert await queue.purge_finished_messages(pool, older_than=86400) == 0
     assert await pool.fetchval("SELECT count(*) FROM message") == 2000
+
+
+async def test_release_and_renew_touch_only_the_claim_they_name(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    # Two processes of one node share its name as lease owner. Process A's claim (attempt 1) ran
+    # out and process B claimed the row again (attempt 2): A's release or renewal must not touch it.
+    await bulk_queue(pool, org_id, messages=1)
+    [first] = await queue.claim_due_recipients(pool, owner=OWNER, lease=1, batch=1)
+    await asyncio.sleep(1.2)
+    assert await queue.requeue_expired_leases(pool) == 1
+    [second] = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=1)
+    rid = first.recipients[0].id
+    assert (first.recipients[0].attempts, second.recipients[0].attempts) == (1, 2)
+
+    assert await queue.renew_leases(pool, [rid], owner=OWNER, lease=3600, attempts=[1]) == 0
+    assert await queue.release_leases(pool, [rid], owner=OWNER, attempts=[1]) == 0
+    row = await pool.fetchrow("SELECT status, attempts FROM recipient WHERE id = $1", rid)
+    assert (row["status"], row["attempts"]) == ("delivering", 2)
+
+    assert await queue.renew_leases(pool, [rid], owner=OWNER, lease=3600, attempts=[2]) == 1
+    assert await queue.release_leases(pool, [rid], owner=OWNER, attempts=[2]) == 1
+    row = await pool.fetchrow("SELECT status, attempts FROM recipient WHERE id = $1", rid)
+    assert (row["status"], row["attempts"]) == ("queued", 1)
