@@ -36,19 +36,10 @@ from pigeon_mta.store import events as store_events
 from pigeon_mta.store import migrate as store_migrate
 from pigeon_mta.store import orgs as store_orgs
 from pigeon_mta.store import queue as store_queue
+from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.store.notify import NotifySender
 
 log = logging.getLogger("pigeon_mta.serve")
-
-# InternalClientError too: asyncpg raises it ("cannot switch to state ...") when the server cuts a
-# session in the middle of an operation, as a PostgreSQL restart does.
-DB_ERRORS = (
-    OSError,
-    asyncpg.PostgresError,
-    asyncpg.InterfaceError,
-    asyncpg.InternalClientError,
-    TimeoutError,
-)
 
 
 def process_count(settings: Settings, requested: int | None) -> int:

@@ -50,21 +50,13 @@ from pigeon_mta.store import bounces as store_bounces
 from pigeon_mta.store import queue as store_queue
 from pigeon_mta.store import suppression as store_suppression
 from pigeon_mta.store import throttle as store_throttle
+from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.store.notify import Connector, QueueWaker
 
 log = logging.getLogger(__name__)
 
 Signer = Callable[[Delivery], Awaitable[bytes]]
 
-# InternalClientError too: asyncpg raises it ("cannot switch to state ...") when the server cuts a
-# session in the middle of an operation, as a PostgreSQL restart does.
-DB_ERRORS = (
-    OSError,
-    asyncpg.PostgresError,
-    asyncpg.InterfaceError,
-    asyncpg.InternalClientError,
-    TimeoutError,
-)
 
 # Results recorded in one statement at most; a busy engine records in batches of up to this.
 RECORD_BATCH = 1000

@@ -16,6 +16,18 @@ from pigeon_mta.config import Settings
 log = logging.getLogger(__name__)
 
 
+# What a database call raises when the server is down, restarting, read-only or slow: callers
+# answer 451, retry or wait, never crash. InternalClientError too: asyncpg raises it ("cannot switch
+# to state ...") when the server cuts a session in the middle of an operation, as a restart does.
+DB_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    TimeoutError,
+)
+
+
 class DatabaseUnavailable(Exception):
     """The database cannot be reached or started; the message says why, in one sentence."""
 

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 
 import asyncpg
 
+from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.store.queue import NOTIFY_CHANNEL
 
 log = logging.getLogger(__name__)
@@ -26,13 +27,7 @@ Connector = Callable[[], Awaitable[asyncpg.Connection]]
 
 # What a lost or refused database connection raises (InternalClientError: a session cut in the
 # middle of an operation).
-_DB_ERRORS = (
-    OSError,
-    asyncpg.PostgresError,
-    asyncpg.InterfaceError,
-    asyncpg.InternalClientError,
-    TimeoutError,
-)
+_DB_ERRORS = DB_ERRORS  # store/connect.py: the one list
 
 
 class QueueWaker:

@@ -14,7 +14,6 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-import asyncpg
 from aiosmtpd.smtp import MISSING, AuthResult, Envelope, Session, TLSSetupException
 
 from pigeon_mta import model
@@ -23,6 +22,7 @@ from pigeon_mta.metrics import AUTH_FAILURES
 from pigeon_mta.store import domains as store_domains
 from pigeon_mta.store import limits as store_limits
 from pigeon_mta.store import queue as store_queue
+from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.submission import replies
 from pigeon_mta.submission.addresses import (
     AddressProblem,
@@ -39,13 +39,7 @@ log = logging.getLogger("pigeon_mta.submission")
 
 # InternalClientError: asyncpg's protocol state broke, as when the server killed the backend
 # while a statement was being sent; the connection is dropped and a new one made.
-DATABASE_ERRORS = (
-    OSError,
-    asyncpg.PostgresError,
-    asyncpg.InterfaceError,
-    asyncpg.InternalClientError,
-    TimeoutError,
-)
+DATABASE_ERRORS = DB_ERRORS  # store/connect.py: the one list
 NULL_SENDER_MARK = "<>"  # aiosmtpd needs a true value for "MAIL was given"; "" is stored
 
 _ADDRESS_REPLIES = {
