@@ -49,7 +49,6 @@ from pigeon_mta.signer import KeysUnavailable
 from pigeon_mta.store import bounces as store_bounces
 from pigeon_mta.store import queue as store_queue
 from pigeon_mta.store import suppression as store_suppression
-from pigeon_mta.store import throttle as store_throttle
 from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.store.notify import Connector, QueueWaker
 
@@ -440,8 +439,8 @@ class DeliveryEngine:
         attempts = [r.attempts for r in delivery.recipients]
         until = datetime.now(UTC) + timedelta(seconds=seconds * self._rng.uniform(1.0, 1.2))
         try:
-            await store_throttle.postpone_claims(
-                self.pool, ids, owner=self.owner, until=until, attempts=attempts
+            await store_queue.release_leases(
+                self.pool, ids, owner=self.owner, attempts=attempts, due_at=until
             )
         except DB_ERRORS as exc:
             # No longer renewed, the claim runs out and the lease sweeper queues them again.

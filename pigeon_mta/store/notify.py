@@ -27,7 +27,6 @@ Connector = Callable[[], Awaitable[asyncpg.Connection]]
 
 # What a lost or refused database connection raises (InternalClientError: a session cut in the
 # middle of an operation).
-_DB_ERRORS = DB_ERRORS  # store/connect.py: the one list
 
 
 class QueueWaker:
@@ -83,7 +82,7 @@ class QueueWaker:
                 conn = await self._connect()
                 conn.add_termination_listener(lambda _c, lost=lost: lost.set())
                 await conn.add_listener(NOTIFY_CHANNEL, self._on_notify)
-            except _DB_ERRORS as exc:
+            except DB_ERRORS as exc:
                 log.warning("queue LISTEN connection failed: %s; retrying", exc)
                 if conn is not None:  # connected, but LISTEN failed: do not leak the session
                     conn.terminate()
@@ -112,7 +111,7 @@ class QueueWaker:
                 break
             try:
                 await asyncio.wait_for(conn.execute("SELECT 1"), 2.0)
-            except _DB_ERRORS:
+            except DB_ERRORS:
                 break
         with contextlib.suppress(Exception):
             conn.terminate()
@@ -154,7 +153,7 @@ class NotifySender:
             try:
                 await self._pool.execute("SELECT pg_notify($1, '')", NOTIFY_CHANNEL)
                 self.sent += 1
-            except _DB_ERRORS as exc:
+            except DB_ERRORS as exc:
                 # Other engines will find the mail at their next poll.
                 log.debug("NOTIFY failed: %s", exc)
                 await asyncio.sleep(0.5)

@@ -289,7 +289,7 @@ WHERE id = ANY ($1::uuid[]) AND status = 'delivering' AND lease_owner = $2
 _RELEASE_FENCED = """
 UPDATE recipient r
 SET status = 'queued', attempts = r.attempts - 1, lease_until = NULL, lease_owner = NULL,
-    updated_at = now()
+    next_attempt_at = COALESCE($4, r.next_attempt_at), updated_at = now()
 FROM unnest($1::uuid[], $3::int[]) AS v (id, attempt)
 WHERE r.id = v.id AND r.attempts = v.attempt AND r.status = 'delivering' AND r.lease_owner = $2
 """
@@ -301,10 +301,18 @@ async def release_leases(
     *,
     owner: str,
     attempts: Sequence[int] | None = None,
+    due_at: datetime | None = None,
 ) -> int:
-    """Undo unattempted claims; with `attempts`, only those very claims (see _RENEW_FENCED)."""
+    """Undo unattempted claims; with `attempts`, only those very claims (see _RENEW_FENCED).
+
+    `due_at` postpones them instead of making them due at once: a destination with no room now
+    (its rate or concurrency limit) gets them back when it should have room.
+    """
     if attempts is not None:
-        return _count(await db.execute(_RELEASE_FENCED, list(ids), owner, list(attempts)))
+        tag = await db.execute(_RELEASE_FENCED, list(ids), owner, list(attempts), due_at)
+        return _count(tag)
+    if due_at is not None:
+        raise ValueError("a postponed release names its claims (attempts)")
     return _count(await db.execute(_RELEASE, list(ids), owner))
 
 

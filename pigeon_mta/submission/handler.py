@@ -39,7 +39,6 @@ log = logging.getLogger("pigeon_mta.submission")
 
 # InternalClientError: asyncpg's protocol state broke, as when the server killed the backend
 # while a statement was being sent; the connection is dropped and a new one made.
-DATABASE_ERRORS = DB_ERRORS  # store/connect.py: the one list
 NULL_SENDER_MARK = "<>"  # aiosmtpd needs a true value for "MAIL was given"; "" is stored
 
 _ADDRESS_REPLIES = {
@@ -71,7 +70,7 @@ class SubmissionHandler:
             return replies.AUTH_IN_TRANSACTION
         try:
             throttled = await self.ctx.authenticator.is_throttled(conv.client_ip)
-        except DATABASE_ERRORS as exc:
+        except DB_ERRORS as exc:
             log.warning("AUTH from [%s]: cannot check throttling: %s", conv.client_ip, exc)
             return replies.AUTH_UNAVAILABLE
         if throttled:
@@ -133,7 +132,7 @@ class SubmissionHandler:
             return await self._refuse(server, None, "empty username")
         try:
             checked = await self.ctx.authenticator.check(username, password)
-        except DATABASE_ERRORS as exc:
+        except DB_ERRORS as exc:
             log.warning("AUTH from [%s]: cannot check credentials: %s", conv.client_ip, exc)
             return AuthResult(success=False, handled=False, message=replies.AUTH_UNAVAILABLE)
         if checked.verdict is not Verdict.OK or checked.login is None:
@@ -163,7 +162,7 @@ class SubmissionHandler:
             await self.ctx.authenticator.record_failure(
                 client_ip=conv.client_ip, username=username, listener=self.ctx.name
             )
-        except DATABASE_ERRORS as exc:
+        except DB_ERRORS as exc:
             log.warning("cannot record the AUTH failure of [%s]: %s", conv.client_ip, exc)
         return AuthResult(success=False, handled=False, message=reply)
 
@@ -190,7 +189,7 @@ class SubmissionHandler:
         if conv.login is not None:
             try:
                 refusal = await self._check_authenticated_sender(conv, sender)
-            except DATABASE_ERRORS as exc:
+            except DB_ERRORS as exc:
                 log.warning("MAIL from [%s]: database trouble: %s", conv.client_ip, exc)
                 return replies.DATABASE_TROUBLE
             if refusal:
@@ -305,7 +304,7 @@ class SubmissionHandler:
         )
         try:
             await self._enqueue(server, message, queue_id)
-        except DATABASE_ERRORS as exc:
+        except DB_ERRORS as exc:
             log.warning(
                 "not queued (451 sent): client=[%s] from=<%s> nrcpt=%d: database trouble: %s",
                 conv.client_ip,
@@ -339,7 +338,7 @@ class SubmissionHandler:
         domains = from_header_domains(values)
         try:
             owned = domains is not None and all([await self._org_owns(conv, d) for d in domains])
-        except DATABASE_ERRORS as exc:
+        except DB_ERRORS as exc:
             log.warning("DATA from [%s]: database trouble: %s", conv.client_ip, exc)
             return replies.DATABASE_TROUBLE
         if not owned:
@@ -355,7 +354,7 @@ class SubmissionHandler:
             return conv.login.org_id
         try:
             return await self.ctx.trusted_org_id()
-        except DATABASE_ERRORS as exc:
+        except DB_ERRORS as exc:
             log.warning("cannot look up the trusted org: %s", exc)
             return None
 
