@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -122,25 +123,32 @@ def message_bytes(size: int, n: int) -> bytes:
     return head + line * max(1, (size - len(head)) // len(line))
 
 
+async def smtp_session(
+    port: int, helo: str
+) -> tuple[asyncio.StreamWriter, Callable[[], Awaitable[bytes]]]:
+    """A plain SMTP session to 127.0.0.1:port, greeted and EHLO'd; `reply()` reads one reply."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    async def reply() -> bytes:
+        while True:
+            line = await reader.readline()
+            if line[3:4] != b"-":
+                return line
+
+    await reply()
+    writer.write(f"EHLO {helo}\r\n".encode())
+    await reply()
+    return writer, reply
+
+
 async def paced_load(port: int, rate: float, count: int, sessions: int, size: int) -> None:
     """`count` messages at `rate` msgs/s over `sessions` reused connections (plain SMTP)."""
     interval = sessions / rate
     start = time.monotonic()
 
     async def session(index: int) -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        sock = writer.get_extra_info("socket")
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-        async def reply() -> bytes:
-            while True:
-                line = await reader.readline()
-                if line[3:4] != b"-":
-                    return line
-
-        await reply()
-        writer.write(b"EHLO loader.bench.test\r\n")
-        await reply()
+        writer, reply = await smtp_session(port, "loader.bench.test")
         n = index
         due = start + index * interval / sessions
         while n < count:

@@ -33,7 +33,7 @@ import asyncpg
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.e2e import children, free_port, message_bytes, with_db  # noqa: E402
+from bench.e2e import children, free_port, message_bytes, smtp_session, with_db  # noqa: E402
 
 
 def rss_mb(pid: int) -> float:
@@ -88,17 +88,7 @@ async def load(
     rng = random.Random(7)
 
     async def session(index: int) -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-
-        async def reply() -> bytes:
-            while True:
-                line = await reader.readline()
-                if line[3:4] != b"-":
-                    return line
-
-        await reply()
-        writer.write(b"EHLO soak.bench.test\r\n")
-        await reply()
+        writer, reply = await smtp_session(port, "soak.bench.test")
         due = start + index * interval / sessions
         n = index
         while time.monotonic() - start < seconds:
