@@ -5,18 +5,20 @@ delivery is signed (right after the claim, so queued mail picks up a rotation), 
 database and cached for a few seconds per (org, domain). It never drops or holds a message for a
 content problem: a message it cannot or need not sign goes out unsigned and is counted.
 
-Signing runs on a thread pool, not on the event loop: an RSA-2048 signature costs about a
-millisecond of CPU, so a batch of a hundred signed inline would stall every other connection of
-the process for a tenth of a second. OpenSSL's RSA step releases the GIL, so the pool also lets
-signing overlap the loop's own work. (bench/dkim_bench.py measures both: see bench/README.md.)
+Signatures are made on the event loop, one per loop iteration: an RSA-2048 signature costs about
+0.4 ms of CPU, so a claimed batch of a hundred signed in one go would stall every other connection
+of the process for 40 ms, while one at a time, between the loop's I/O turns, holds the others up by
+one signature at most (bench/dkim_bench.py part 2: timer lateness max 2.7 ms, against 16-19 ms on a
+thread pool, whose threads contend with the loop for the GIL). Threads bought no throughput
+either: the service runs one worker process per core, so the cores are busy already (end to end,
+bench/e2e.py: 830 msgs/s on pools of two threads, 826-850 signing in turn; bench/README.md).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import collections
 import logging
-import os
 import time
 import uuid
 from collections.abc import Callable
@@ -63,13 +65,11 @@ class DkimSigner:
         *,
         cache_ttl: float = 5.0,
         stale_ttl: float = 600.0,
-        threads: int | None = None,
         clock: Callable[[], float] = time.time,  # for t=; tests pass a fixed one
     ) -> None:
         """`db`: a pool. `cache_ttl`: how long a key lookup is reused (how soon a rotation takes
         effect). `stale_ttl`: how long cached keys keep serving while the database is
-        unreachable. `threads`: signing threads (default: one per CPU core); 0 signs on the
-        event loop."""
+        unreachable."""
         self._db = db
         self._cache_ttl = cache_ttl
         self._stale_ttl = stale_ttl
@@ -77,12 +77,8 @@ class DkimSigner:
         self._cache: dict[tuple[uuid.UUID, str], _CachedKeys] = {}
         self._lookups: dict[tuple[uuid.UUID, str], asyncio.Future[tuple[dkim.SigningKey, ...]]] = {}
         self._loaded: dict[uuid.UUID, dkim.SigningKey] = {}
-        workers = (os.cpu_count() or 1) if threads is None else threads
-        self._executor = (
-            concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dkim-sign")
-            if workers > 0
-            else None
-        )
+        # Signatures waiting for their loop iteration, in arrival order (see the top).
+        self._waiting: collections.deque[_SignJob] = collections.deque()
 
     async def __call__(self, delivery: Delivery) -> bytes:
         message = delivery.body
@@ -92,21 +88,43 @@ class DkimSigner:
         keys = await self.keys_for(delivery.org_id, domain)
         if not keys:
             return _unsigned(message, UNSIGNED_NO_KEY)
-        timestamp = int(self._clock())
         try:
-            if self._executor is None:
-                fields = dkim.sign(message, keys, timestamp=timestamp)
-            else:
-                loop = asyncio.get_running_loop()
-                fields = await loop.run_in_executor(
-                    self._executor, _sign_call, message, keys, timestamp
-                )
+            fields = await self._sign_in_turn(message, keys)
         except dkim.SigningError as exc:
             log.info("queue id %s goes unsigned: %s", delivery.message_id, exc)
             return _unsigned(message, UNSIGNED_MALFORMED)
         for key in keys:
             DKIM_SIGNATURES.labels(algorithm=key.algorithm).inc()
         return fields + message
+
+    def _sign_in_turn(
+        self, message: bytes, keys: tuple[dkim.SigningKey, ...]
+    ) -> asyncio.Future[bytes]:
+        """The DKIM-Signature fields for `message`, made in a later loop iteration of their own."""
+        loop = asyncio.get_running_loop()
+        job = _SignJob(message, keys, loop.create_future())
+        self._waiting.append(job)
+        if len(self._waiting) == 1:
+            loop.call_soon(self._sign_next)
+        return job.result
+
+    def _sign_next(self) -> None:
+        """Make one waiting signature, then leave the rest to the next iteration: call_soon from a
+        callback runs after the loop has polled its sockets again."""
+        if not self._waiting:  # close() took them
+            return
+        job = self._waiting.popleft()
+        if self._waiting:
+            asyncio.get_running_loop().call_soon(self._sign_next)
+        if job.result.cancelled():
+            return
+        try:
+            # t= is taken when the signature is made: a backlog never backdates it.
+            fields = dkim.sign(job.message, job.keys, timestamp=int(self._clock()))
+        except Exception as exc:
+            job.result.set_exception(exc)
+        else:
+            job.result.set_result(fields)
 
     async def keys_for(self, org_id: uuid.UUID, domain: str) -> tuple[dkim.SigningKey, ...]:
         """The org's active keys for `domain`, from the cache when fresh enough."""
@@ -147,13 +165,9 @@ class DkimSigner:
         new_rows = [row for row in rows if row.id not in self._loaded]
         if new_rows:
             # OpenSSL checks an RSA key as it loads it: ~50 ms for 2048 bits, ~350 ms for 4096.
-            # That happens once per key and process, but not on the event loop.
-            if self._executor is None:
-                loaded = _load_keys(new_rows)
-            else:
-                loop = asyncio.get_running_loop()
-                loaded = await loop.run_in_executor(self._executor, _load_keys, new_rows)
-            self._loaded.update(loaded)
+            # That happens once per key and process, on a thread: the GIL is handed back to the
+            # loop every switch interval, so the other connections wait milliseconds, not that.
+            self._loaded.update(await asyncio.to_thread(_load_keys, new_rows))
         keys = tuple(self._loaded[row.id] for row in rows if row.id in self._loaded)
         if len(self._cache) >= self.MAX_CACHED:
             self._cache.clear()
@@ -161,9 +175,11 @@ class DkimSigner:
         return keys
 
     def close(self) -> None:
-        """Stop the signing threads (after the engine has stopped calling)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        """Fail signatures still waiting (after the engine has stopped calling, there are none)."""
+        while self._waiting:
+            job = self._waiting.popleft()
+            if not job.result.done():
+                job.result.set_exception(RuntimeError("the DKIM signer was closed"))
 
 
 def _load_keys(
@@ -185,8 +201,11 @@ def _load_keys(
     return loaded
 
 
-def _sign_call(message: bytes, keys: tuple[dkim.SigningKey, ...], timestamp: int) -> bytes:
-    return dkim.sign(message, keys, timestamp=timestamp)
+@dataclass(frozen=True)
+class _SignJob:
+    message: bytes
+    keys: tuple[dkim.SigningKey, ...]
+    result: asyncio.Future[bytes]
 
 
 def _unsigned(message: bytes, reason: str) -> bytes:

@@ -3,12 +3,14 @@ cache, unsigned mail and its counters."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
 from prometheus_client import REGISTRY
 
+from pigeon_mta import dkim
 from pigeon_mta.signer import DkimSigner, KeysUnavailable
 from pigeon_mta.store import dkim_keys as store_dkim_keys
 from tests.integration.dkim_helpers import add_key, add_sender_domain, delivery
@@ -141,7 +143,7 @@ async def test_rotation_signs_queued_mail_with_the_key_active_at_send_time(
 async def test_lookups_are_cached_for_the_ttl(pool: asyncpg.Pool) -> None:
     domain = await add_sender_domain(pool, "acme", "example.com")
     await add_key(pool, domain, "s1")
-    signer = DkimSigner(pool, cache_ttl=3600, threads=0)
+    signer = DkimSigner(pool, cache_ttl=3600)
     try:
         assert _selectors(await signer(delivery(domain.org_id, MESSAGE))) == ["s1"]
         await store_dkim_keys.deactivate_key(pool, domain.id, "s1")
@@ -172,15 +174,33 @@ async def test_database_outage_uses_cached_keys_else_raises(db_url: str) -> None
         signer.close()
 
 
-async def test_thread_pool_and_inline_signing_give_the_same_bytes(pool: asyncpg.Pool) -> None:
+async def test_concurrent_deliveries_are_signed_one_per_loop_iteration(pool: asyncpg.Pool) -> None:
+    """A claimed batch signs one message per loop iteration: other work (here a ticking task, in
+    the service every other connection) runs between any two signatures, and each delivery gets
+    the same bytes as a direct call."""
     domain = await add_sender_domain(pool, "acme", "example.com")
     await add_key(pool, domain, "r1", "rsa")
     await add_key(pool, domain, "e1", "ed25519")
-    pooled = DkimSigner(pool, threads=2, clock=lambda: T)
-    inline = DkimSigner(pool, threads=0, clock=lambda: T)
+    signer = DkimSigner(pool, clock=lambda: T)
+    keys = await signer.keys_for(domain.org_id, "example.com")
+    job = delivery(domain.org_id, SAMPLES["eight_bit"])
+    ticks = 0
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await asyncio.sleep(0)
+
+    ticking = asyncio.create_task(ticker())
     try:
-        job = delivery(domain.org_id, SAMPLES["eight_bit"])
-        assert await pooled(job) == await inline(job)
+        await asyncio.sleep(0)
+        start = ticks
+        signed = await asyncio.gather(*(signer(job) for _ in range(20)))
+        assert ticks - start >= 20  # the loop turned at least once per signature
+        assert signed == [dkim.sign(job.body, keys, timestamp=T) + job.body] * 20
     finally:
-        pooled.close()
-        inline.close()
+        stop.set()
+        await ticking
+        signer.close()
