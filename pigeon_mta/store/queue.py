@@ -98,6 +98,53 @@ async def enqueue(
     return queue_id
 
 
+# Several messages, each with its recipients, in one statement (the group commit of the submission
+# path, store/group_commit.py). Every message of the batch commits, or none does.
+_ENQUEUE_MANY = """
+WITH m AS (
+    INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
+                         client_ip, client_helo, credential_id, auth_user)
+    SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::int[], $6::bytea[],
+                         $7::text[], $8::inet[], $9::text[], $10::uuid[], $11::text[])
+    RETURNING id, org_id, received_at
+), r AS (
+    INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at)
+    SELECT u.id, m.id, m.org_id, u.address, u.domain, m.received_at, m.received_at
+    FROM unnest($12::uuid[], $13::uuid[], $14::text[], $15::text[])
+         AS u (id, message_id, address, domain)
+    JOIN m ON m.id = u.message_id
+)
+SELECT count(*) FROM m
+"""
+
+
+async def enqueue_many(db: Executor, batch: Sequence[tuple[uuid.UUID, Envelope]]) -> None:
+    """Queue several messages (queue id, envelope) in one statement, so in one commit: all of
+    them or none. Without NOTIFY (see `enqueue`: the caller wakes the engines after the commit)."""
+    for _queue_id, envelope in batch:
+        if not envelope.recipients:
+            raise ValueError("a message needs at least one recipient")
+    recipients = [(q, r) for q, envelope in batch for r in envelope.recipients]
+    await db.execute(
+        _ENQUEUE_MANY,
+        [q for q, _e in batch],
+        [e.org_id for _q, e in batch],
+        [e.sender for _q, e in batch],
+        [e.message_id for _q, e in batch],
+        [len(e.body) for _q, e in batch],
+        [e.body for _q, e in batch],
+        [e.listener for _q, e in batch],
+        [e.client_ip for _q, e in batch],
+        [e.client_helo for _q, e in batch],
+        [e.credential_id for _q, e in batch],
+        [e.auth_user for _q, e in batch],
+        new_ids(len(recipients)),
+        [q for q, _r in recipients],
+        [r for _q, r in recipients],
+        [recipient_domain(r) for _q, r in recipients],
+    )
+
+
 # ---------------------------------------------------------------- claim
 
 # Cross-tenant by design: the claim serves every org's queue. ARRAY(...) makes the locking subquery

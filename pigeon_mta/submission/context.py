@@ -14,6 +14,7 @@ from pigeon_mta.config import LimitsSettings, ListenerSettings, Settings
 from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.store import credentials as store_credentials
 from pigeon_mta.store import orgs as store_orgs
+from pigeon_mta.store.group_commit import GroupCommit
 from pigeon_mta.submission.auth import Authenticator
 from pigeon_mta.submission.tls import ListenerTLS
 
@@ -91,6 +92,7 @@ class ListenerContext:
     connections: ConnectionCounter
     trusted_org_id: TrustedOrg
     trusted_networks: tuple[IPNetwork, ...]
+    group_commit: GroupCommit
     sessions: set[SMTPSession] = field(default_factory=set)
     shutting_down: bool = False
     # Reception records (after the commit) and the wake-up of this process's engine.

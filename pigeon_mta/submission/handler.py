@@ -21,7 +21,6 @@ from pigeon_mta.ids import new_id
 from pigeon_mta.metrics import AUTH_FAILURES
 from pigeon_mta.store import domains as store_domains
 from pigeon_mta.store import limits as store_limits
-from pigeon_mta.store import queue as store_queue
 from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.submission import replies
 from pigeon_mta.submission.addresses import (
@@ -302,8 +301,22 @@ class SubmissionHandler:
             credential_id=conv.login.id if conv.login else None,
             auth_user=conv.login.username if conv.login else None,
         )
+        reception = Reception(
+            queue_id=queue_id,
+            org_id=org_id,
+            listener=self.ctx.name,
+            client_ip=conv.client_ip,
+            helo=message.client_helo,
+            auth_user=message.auth_user,
+            sender=sender,
+            recipients=recipients,
+            size=len(fixed.data),
+            message_id=fixed.message_id,
+            tls=f"{conv.tls_version} {conv.tls_cipher}" if conv.tls_version else None,
+            received_at=received_at,
+        )
         try:
-            await self._enqueue(server, message, queue_id)
+            await self._enqueue(server, message, reception)
         except DB_ERRORS as exc:
             log.warning(
                 "not queued (451 sent): client=[%s] from=<%s> nrcpt=%d: database trouble: %s",
@@ -313,25 +326,7 @@ class SubmissionHandler:
                 exc,
             )
             return replies.DATABASE_TROUBLE
-        self.ctx.on_queued()
-        if self.ctx.delivery_log is not None:
-            self.ctx.delivery_log.reception(queue_id, message, received_at=received_at)
-        record_reception(
-            Reception(
-                queue_id=queue_id,
-                org_id=org_id,
-                listener=self.ctx.name,
-                client_ip=conv.client_ip,
-                helo=message.client_helo,
-                auth_user=message.auth_user,
-                sender=sender,
-                recipients=recipients,
-                size=len(fixed.data),
-                message_id=fixed.message_id,
-                tls=f"{conv.tls_version} {conv.tls_cipher}" if conv.tls_version else None,
-                received_at=received_at,
-            )
-        )
+        self._announce(message, reception)
         return replies.QUEUED.format(queue_id=queue_id)
 
     async def _check_from_header(self, conv: Conversation, values: list[str]) -> str | None:
@@ -358,22 +353,45 @@ class SubmissionHandler:
             log.warning("cannot look up the trusted org: %s", exc)
             return None
 
-    async def _enqueue(self, server: Any, message: model.Envelope, queue_id: uuid.UUID) -> None:
+    async def _enqueue(self, server: Any, message: model.Envelope, reception: Reception) -> None:
         """Commit the message. Shielded: a client that hangs up mid-commit does not cancel the
-        statement half-way; the outcome is then only logged."""
+        statement half-way; a message committed anyway is announced all the same."""
         # No NOTIFY inside the transaction (it would serialise commits); ctx.on_queued wakes the
-        # engines after the commit instead (store/notify.py).
-        task = asyncio.ensure_future(
-            store_queue.enqueue(self.ctx.pool, message, queue_id=queue_id, notify=False)
-        )
+        # engines after the commit instead (store/notify.py). Messages of other sessions that
+        # finish at the same time share the commit (store/group_commit.py).
+        task = asyncio.ensure_future(self.ctx.group_commit.enqueue(reception.queue_id, message))
         server.enqueuing += 1
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
-            task.add_done_callback(_log_orphan_outcome)
+            task.add_done_callback(lambda done: self._orphan_outcome(done, message, reception))
             raise
         finally:
             server.enqueuing -= 1
+
+    def _announce(self, message: model.Envelope, reception: Reception) -> None:
+        """After the commit: wake the engines, write the Reception records and the log line."""
+        self.ctx.on_queued()
+        if self.ctx.delivery_log is not None:
+            self.ctx.delivery_log.reception(
+                reception.queue_id, message, received_at=reception.received_at
+            )
+        record_reception(reception)
+
+    def _orphan_outcome(
+        self, task: asyncio.Future[None], message: model.Envelope, reception: Reception
+    ) -> None:
+        """The commit of a message whose client hung up while it ran has ended."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.warning("a message whose client hung up during the commit was not queued: %s", exc)
+            return
+        log.warning(
+            "message %s was queued but its client hung up before the reply", reception.queue_id
+        )
+        self._announce(message, reception)
 
     # ------------------------------------------------------------ errors
 
@@ -400,16 +418,6 @@ def conversation(server: Any) -> Conversation:
     conv = server.conversation
     assert isinstance(conv, Conversation)
     return conv
-
-
-def _log_orphan_outcome(task: asyncio.Future[uuid.UUID]) -> None:
-    if task.cancelled():
-        return
-    exc = task.exception()
-    if exc is not None:
-        log.warning("a message whose client hung up during the commit was not queued: %s", exc)
-    else:
-        log.warning("message %s was queued but its client hung up before the reply", task.result())
 
 
 def _text(data: bytes) -> str:

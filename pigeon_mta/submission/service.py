@@ -18,6 +18,7 @@ import asyncpg
 from pigeon_mta.config import ListenerSettings, Settings
 from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.metrics import LISTENERS_BOUND
+from pigeon_mta.store.group_commit import GroupCommit
 from pigeon_mta.submission import replies
 from pigeon_mta.submission.auth import Authenticator
 from pigeon_mta.submission.context import ConnectionCounter, ListenerContext, TrustedOrg
@@ -49,6 +50,8 @@ class SubmissionService:
         self.authenticator = Authenticator(pool, settings.limits)
         self.connections = ConnectionCounter(settings.limits.max_connections_per_ip)
         self.trusted_org = TrustedOrg(pool, settings.relay.trusted_org)
+        # One per process: every listener's messages may share a commit.
+        self.group_commit = GroupCommit(pool)
         self.trusted_networks = tuple(
             ipaddress.ip_network(n, strict=False) for n in settings.relay.trusted_networks
         )
@@ -79,6 +82,7 @@ class SubmissionService:
             connections=self.connections,
             trusted_org_id=self.trusted_org,
             trusted_networks=self.trusted_networks,
+            group_commit=self.group_commit,
             delivery_log=self.delivery_log,
         )
         if self.on_queued is not None:

@@ -6,12 +6,18 @@ client ──one SMTP session──► relay listener ──► PostgreSQL (back
 from __future__ import annotations
 
 import asyncio
+import json
 import smtplib
+import socket
+import threading
 from pathlib import Path
 
 import asyncpg
 
+from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.submission.service import SubmissionService
 from tests.integration.submission_helpers import (
+    TRUSTED_CLIENT,
     make_settings,
     make_tls,
     message,
@@ -117,3 +123,71 @@ async def test_database_refusing_connections_then_back(
     rows = await message_rows(pool)
     assert [r["recipients"] for r in rows] == [["before@example.net"], ["after@example.net"]]
     assert await orphan_rows(pool) == 0
+
+
+async def test_a_message_committed_after_its_client_hung_up_is_announced(
+    tmp_path: Path, db_url: str, pool: asyncpg.Pool
+) -> None:
+    """The client hangs up while the commit waits on a lock; the commit then succeeds. The
+    message is queued, so the engines are woken and its Reception record is written as for any
+    other (it used to wait for the poll and leave no Reception record)."""
+    settings = make_settings(tmp_path, db_url, make_tls(tmp_path), modes=("relay",))
+    log_path = tmp_path / "delivery.log"
+    delivery_log = DeliveryLog.open(str(log_path))
+    pokes: list[int] = []
+    service = SubmissionService(
+        settings, pool, delivery_log=delivery_log, on_queued=lambda: pokes.append(1)
+    )
+    await service.start()
+    await service.trusted_org()  # the org row exists, so the lock below holds it
+    blocker = await asyncpg.connect(db_url)
+    try:
+        lock = blocker.transaction()
+        await lock.start()
+        await blocker.execute("SELECT * FROM org WHERE name = 'internal' FOR UPDATE")
+
+        committing = threading.Event()
+
+        def send_and_hang_up() -> None:
+            address = ("127.0.0.1", service.bound["relay"][1])
+            with socket.create_connection(address, source_address=(TRUSTED_CLIENT, 0)) as s:
+                s.settimeout(10)
+                body = message("app@host.internal", "x", subject="orphan").replace(b"\n.", b"\n..")
+                s.sendall(
+                    b"EHLO client.test\r\nMAIL FROM:<app@host.internal>\r\n"
+                    b"RCPT TO:<orphan@example.net>\r\nDATA\r\n" + body + b"\r\n.\r\n"
+                )
+                assert committing.wait(10), "the enqueue never waited on the lock"
+            # closed here: the client is gone before the commit could finish
+
+        hang_up = asyncio.create_task(asyncio.to_thread(send_and_hang_up))
+        waiting = 0
+        for _ in range(500):
+            waiting = await blocker.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock'"
+            )
+            if waiting:
+                break
+            await asyncio.sleep(0.02)
+        committing.set()
+        await hang_up
+        assert waiting, "the enqueue never waited on the lock"
+        await asyncio.sleep(0.3)  # the server notices the hang-up
+        assert pokes == []
+        await lock.rollback()
+        for _ in range(500):
+            if pokes and log_path.exists() and log_path.read_text():
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        await blocker.close()
+        await service.stop(asyncio.get_running_loop().time() + 5)
+        delivery_log.close()
+    rows = await message_rows(pool)
+    assert len(rows) == 1
+    assert pokes == [1]
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert [(r["type"], r["queue_id"], r["recipient"]) for r in records] == [
+        ("Reception", str(rows[0]["id"]), "orphan@example.net")
+    ]

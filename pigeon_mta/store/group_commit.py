@@ -1,0 +1,109 @@
+"""Group commit for the submission path: messages that arrive while a commit is under way share
+the next one.
+
+Each accepted message needs its own commit before its `250`, and a commit costs a statement, a
+round trip and a WAL flush. With many sessions in one process, messages finish their DATA phase
+close together; instead of one statement each, the ones waiting when a commit finishes go into the
+next statement together (`store.queue.enqueue_many`). Nothing waits for a timer: a lone message is
+written at once, exactly as before; batches form only when commits are already busy. Every
+message of a batch is committed or none is, and each caller learns the outcome of the commit that
+holds its message; a batch refused for any reason other than a database outage is tried again one
+message at a time, so one bad message cannot fail its neighbours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+
+import asyncpg
+
+from pigeon_mta.model import Envelope
+from pigeon_mta.store import queue as store_queue
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    queue_id: uuid.UUID
+    envelope: Envelope
+    committed: asyncio.Future[None]
+
+
+class GroupCommit:
+    """`await group.enqueue(queue_id, envelope)` returns once the message is committed (or raises
+    what the commit raised)."""
+
+    def __init__(self, pool: asyncpg.Pool, *, max_batch: int = 64, max_commits: int = 2) -> None:
+        """`max_batch`: messages per statement. `max_commits`: statements under way at once (more
+        than one keeps PostgreSQL's own group commit busy while a batch is being sent)."""
+        self._pool = pool
+        self._max_batch = max_batch
+        self._max_commits = max_commits
+        self._waiting: list[_Waiting] = []
+        self._commits: set[asyncio.Task[None]] = set()
+
+    async def enqueue(self, queue_id: uuid.UUID, envelope: Envelope) -> None:
+        if not envelope.recipients:
+            raise ValueError("a message needs at least one recipient")
+        committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(_Waiting(queue_id, envelope, committed))
+        self._start_commits()
+        await committed
+
+    @property
+    def under_way(self) -> int:
+        """Commits under way (for a drain at shutdown)."""
+        return len(self._commits)
+
+    def _start_commits(self) -> None:
+        while self._waiting and len(self._commits) < self._max_commits:
+            batch = self._waiting[: self._max_batch]
+            del self._waiting[: self._max_batch]
+            task = asyncio.ensure_future(self._commit(batch))
+            self._commits.add(task)
+            task.add_done_callback(self._commit_done)
+
+    def _commit_done(self, task: asyncio.Task[None]) -> None:
+        self._commits.discard(task)
+        self._start_commits()
+
+    async def _commit(self, batch: list[_Waiting]) -> None:
+        try:
+            await store_queue.enqueue_many(self._pool, [(w.queue_id, w.envelope) for w in batch])
+        except BaseException as exc:
+            if len(batch) > 1 and _worth_one_by_one(exc):
+                log.warning(
+                    "a batch of %d messages was refused (%s); committing them one by one",
+                    len(batch),
+                    exc,
+                )
+                await asyncio.gather(*(self._commit([w]) for w in batch))
+                return
+            for waiting in batch:
+                _settle(waiting.committed, exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            for waiting in batch:
+                _settle(waiting.committed, None)
+
+
+def _worth_one_by_one(exc: BaseException) -> bool:
+    """A refusal of the data (of one message, perhaps) rather than an outage or a read-only
+    database, which would refuse each message alone just the same."""
+    return isinstance(exc, asyncpg.DataError | asyncpg.IntegrityConstraintViolationError)
+
+
+def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
+    if future.done():  # its caller was cancelled; the outcome is theirs to log, not ours
+        return
+    if exc is None:
+        future.set_result(None)
+    elif isinstance(exc, asyncio.CancelledError):
+        future.cancel()
+    else:
+        future.set_exception(exc)
