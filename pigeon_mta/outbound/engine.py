@@ -291,6 +291,9 @@ class DeliveryEngine:
                 self._spawn(d)
             if count < want:
                 await self._idle(delivery.poll_interval)
+                # Woken (by new mail, most likely): let what is being queued right now join
+                # this claim instead of costing one each.
+                await self._pause(delivery.claim_wait)
 
     async def _drop_suppressed(self, claimed: list[Delivery]) -> list[Delivery]:
         """Recipients on their org's suppression list are recorded `suppressed`, not attempted."""
@@ -314,6 +317,11 @@ class DeliveryEngine:
         if suppressed:
             self._submit(suppressed)
         return keep
+
+    async def _pause(self, seconds: float) -> None:
+        if seconds > 0 and not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), seconds)
 
     async def _idle(self, timeout: float) -> None:
         if self._stopping.is_set():
@@ -550,6 +558,9 @@ class DeliveryEngine:
                     return
                 self._pending_event.clear()
                 await self._pending_event.wait()
+                if not self._recorder_done:
+                    # Let the results of transactions finishing right now join this batch.
+                    await asyncio.sleep(self.delivery.record_wait)
                 continue
             batch = self._pending[:RECORD_BATCH]
             try:
