@@ -98,9 +98,11 @@ async def transact(
     started: float,
     on_data_sent: Callable[[Sequence[uuid.UUID]], None] = lambda _ids: None,
 ) -> TransactionResult:
-    """Run one transaction on an open connection. `message` is the output of `wire_message`."""
+    """Run one transaction on an open connection. `message` is the output of `wire_message`.
+
+    With PIPELINING (RFC 2920) MAIL, every RCPT and DATA go out in one write and their replies are
+    read back in order; without it, each command waits for its reply."""
     conn = connected.connection
-    client = conn.client
     results: dict[uuid.UUID, RecipientResult] = {}
     stage: Stage = "mail"
     accepted: list[ClaimedRecipient] = []
@@ -113,6 +115,9 @@ async def transact(
             results.setdefault(r.id, RecipientResult(r, at, reply_or_error))
 
     try:
+        wire = conn.wire
+        if wire is None:
+            raise aiosmtplib.SMTPServerDisconnected("the connection was never set up")
         utf8 = _needs_utf8(sender) or any(_needs_utf8(r.address) for r in recipients)
         if utf8 and not conn.supports("smtputf8"):
             refusal = Reply(
@@ -123,43 +128,54 @@ async def transact(
             )
             finish(refusal, "mail", recipients)
             return _result(conn, results, recipients, started, connected.reused, True)
-        response = await client.execute_command(
-            b"MAIL",
-            b"FROM:<" + _address(sender, utf8) + b">",
-            *_mail_options(conn, message, utf8),
-            timeout=command_timeout,
+        mail = b" ".join(
+            [b"MAIL FROM:<" + _address(sender, utf8) + b">", *_mail_options(conn, message, utf8)]
         )
-        if response.code != 250:
-            finish(parse_reply(response.code, response.message), "mail", recipients)
-            reusable = await conn.reset(command_timeout)
-            return _result(conn, results, recipients, started, connected.reused, reusable)
-        stage = "rcpt"
-        for r in recipients:
-            response = await client.execute_command(
-                b"RCPT", b"TO:<" + _address(r.address, utf8) + b">", timeout=command_timeout
+        rcpts = [b"RCPT TO:<" + _address(r.address, utf8) + b">" for r in recipients]
+        pipelined = conn.supports("pipelining")
+        if pipelined:
+            wire.write(b"\r\n".join([mail, *rcpts, b"DATA", b""]))
+            mail_reply = await wire.read(command_timeout)
+        else:
+            mail_reply = await wire.command(mail, command_timeout)
+        if pipelined or mail_reply.code == 250:
+            stage = "rcpt"
+            for r, rcpt in zip(recipients, rcpts, strict=True):
+                reply = await (
+                    wire.read(command_timeout) if pipelined else wire.command(rcpt, command_timeout)
+                )
+                if reply.code in (250, 251):
+                    accepted.append(r)
+                else:
+                    finish(parse_reply(reply.code, reply.message), "rcpt", [r])
+        if mail_reply.code != 250:
+            # Any RCPT a pipelining server answered 250 after a refused MAIL means nothing.
+            accepted.clear()
+            results.clear()
+            finish(parse_reply(mail_reply.code, mail_reply.message), "mail", recipients)
+        if pipelined or accepted:
+            stage = "data"
+            data_reply = await (
+                wire.read(command_timeout) if pipelined else wire.command(b"DATA", command_timeout)
             )
-            if response.code in (250, 251):
-                accepted.append(r)
-            else:
-                finish(parse_reply(response.code, response.message), "rcpt", [r])
         if not accepted:
-            reusable = await conn.reset(command_timeout)
+            if pipelined and data_reply.code == 354:
+                # RFC 2920 3.1: a server that took DATA anyway gets an empty message, ended at
+                # once; such a server is not trusted with another transaction.
+                wire.write(b".\r\n")
+                await wire.read(command_timeout)
+                reusable = False
+            else:
+                reusable = await conn.reset(command_timeout)
             return _result(conn, results, recipients, started, connected.reused, reusable)
-        stage = "data"
-        response = await client.execute_command(b"DATA", timeout=command_timeout)
-        if response.code != 354:
-            finish(parse_reply(response.code, response.message), "data", accepted)
+        if data_reply.code != 354:
+            finish(parse_reply(data_reply.code, data_reply.message), "data", accepted)
             reusable = await conn.reset(command_timeout)
             return _result(conn, results, recipients, started, connected.reused, reusable)
         stage = "dot"
-        protocol = client.protocol
-        if protocol is None:
-            raise aiosmtplib.SMTPServerDisconnected("connection lost before the message was sent")
         on_data_sent([r.id for r in accepted])
-        # The message is written and its reply read directly on the protocol: aiosmtplib's
-        # data() would blur the DATA reply and the final reply into one exception.
-        protocol.write(message)
-        response = await protocol.read_response(timeout=data_timeout)
+        wire.write(message)
+        response = await wire.read(data_timeout)
         conn.transactions += 1
         finish(parse_reply(response.code, response.message), "dot", accepted)
         if response.code == 421:

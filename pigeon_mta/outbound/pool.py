@@ -25,6 +25,7 @@ from pigeon_mta.metrics import OUTBOUND_CONNECTION_REUSES, OUTBOUND_CONNECTIONS_
 from pigeon_mta.model import Reply
 from pigeon_mta.outbound.classify import Stage, parse_reply
 from pigeon_mta.outbound.mx import Route, RouteFailure, Router
+from pigeon_mta.outbound.wire import Wire
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +90,23 @@ class SmtpConnection:
         self.idle_since = time.monotonic()
         self.tls_version: str | None = None
         self.tls_cipher: str | None = None
+        # Set once the connection is set up: what the mail transactions run on (see wire.py).
+        self.wire: Wire | None = None
         self._closed = False
         OUTBOUND_CONNECTIONS_OPEN.inc()
 
+    def take_over(self) -> Wire:
+        """Hand the set-up connection from aiosmtplib to a Wire (which can pipeline)."""
+        protocol = self.client.protocol
+        transport = protocol.transport if protocol is not None else None
+        if transport is None or protocol is None:
+            raise aiosmtplib.SMTPServerDisconnected("the connection was lost during its set-up")
+        self.wire = Wire(transport, protocol)
+        return self.wire
+
     @property
     def usable(self) -> bool:
-        return not self._closed and self.client.is_connected
+        return not self._closed and self.wire is not None and self.wire.connected
 
     def supports(self, extension: str) -> bool:
         return self.client.supports_extension(extension)
@@ -111,8 +123,10 @@ class SmtpConnection:
 
     async def reset(self, timeout: float) -> bool:
         """RSET; True when the server answered 250 (the connection is fit for a new transaction)."""
+        if self.wire is None:
+            return False
         try:
-            response = await self.client.execute_command(b"RSET", timeout=timeout)
+            response = await self.wire.command(b"RSET", timeout)
         except (aiosmtplib.SMTPException, OSError, TimeoutError):
             return False
         return response.code == 250
@@ -126,9 +140,9 @@ class SmtpConnection:
 
     async def quit(self, timeout: float = 5.0) -> None:
         """Polite close: QUIT, then close whatever the server says."""
-        if self.usable:
+        if self.usable and self.wire is not None:
             with contextlib.suppress(aiosmtplib.SMTPException, OSError, TimeoutError):
-                await self.client.execute_command(b"QUIT", timeout=timeout)
+                await self.wire.command(b"QUIT", timeout)
         self.abort()
 
 
@@ -168,6 +182,10 @@ async def open_connection(
             await _starttls(conn, options)
         if key.username:
             await _login(client, key.username, password)
+        conn.take_over()
+    except aiosmtplib.SMTPServerDisconnected as exc:
+        conn.abort()
+        raise ConnectFailed("connect", exc) from None
     except BaseException:
         conn.abort()
         raise

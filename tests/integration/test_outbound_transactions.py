@@ -33,9 +33,17 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
         yield w
 
 
+@pytest.fixture(params=[True, False], ids=["pipelining", "lockstep"])
+async def either_world(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[World]:
+    """Sinks that offer PIPELINING, and sinks that do not (each command waits for its reply)."""
+    async with mail_world(tmp_path, pipelining=request.param) as w:
+        yield w
+
+
 async def test_mixed_recipient_outcomes_in_one_transaction_are_recorded_per_recipient(
-    world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
+    either_world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
 ) -> None:
+    world = either_world
     settings = world.settings(db_url, retry_initial=60, retry_max=60)
     recipients = (
         "ok@order.test",
@@ -71,8 +79,9 @@ async def test_mixed_recipient_outcomes_in_one_transaction_are_recorded_per_reci
 
 
 async def test_a_rejection_after_data_bounces_every_recipient_of_the_message(
-    world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
+    either_world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
 ) -> None:
+    world = either_world
     async with running_engine(world.settings(db_url), pool, db_url):
         qid = await send(pool, org_id, "reject-data@order.test", "ok@order.test")
         assert await wait_final(pool, qid) == {

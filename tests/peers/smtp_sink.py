@@ -17,7 +17,7 @@ The local part up to a "+" names the behaviour (`tempfail+7@example.test`):
                      reply (until the client goes away); afterwards accept
     hang             RCPT never gets a reply (until the client goes away)
 
-A sink can also greet with a refusal (`greeting="421 ..."`), offer STARTTLS (trustme certificate),
+A sink offers PIPELINING (RFC 2920) unless started with `pipelining=False`. It can also greet with a refusal (`greeting="421 ..."`), offer STARTTLS (trustme certificate),
 break the TLS handshake after its "220 Ready", and require AUTH. The shared SinkState counts
 connections, messages and per-recipient deliveries, and the highest number of transactions in flight.
 """
@@ -90,9 +90,24 @@ def behaviour(address: str) -> str:
 
 
 class SinkHandler:
-    def __init__(self, state: SinkState, sink: str) -> None:
+    def __init__(self, state: SinkState, sink: str, *, pipelining: bool = True) -> None:
         self.state = state
         self.sink = sink
+        self.pipelining = pipelining
+
+    async def handle_EHLO(
+        self,
+        server: SMTP,
+        session: Session,
+        envelope: Envelope,
+        hostname: str,
+        responses: list[str],
+    ) -> list[str]:
+        session.host_name = hostname
+        if self.pipelining:
+            # aiosmtpd reads pipelined commands one by one anyway; this lets clients know.
+            responses.insert(-1, "250-PIPELINING")
+        return responses
 
     async def handle_MAIL(
         self, server: SMTP, session: Session, envelope: Envelope, address: str, options: list[str]
@@ -261,8 +276,9 @@ async def start_sink(
     broken_starttls: bool = False,
     greeting: str | None = None,
     users: dict[str, str] | None = None,
+    pipelining: bool = True,
 ) -> asyncio.Server:
-    """One sink listening on host:port (port 0: any)."""
+    """One sink listening on host:port (port 0: any); `pipelining` offers PIPELINING."""
     loop = asyncio.get_running_loop()
     if greeting is not None:
         return await loop.create_server(
@@ -271,7 +287,7 @@ async def start_sink(
     if broken_starttls and tls_context is None:
         # aiosmtpd offers STARTTLS only with a context; this one is never used.
         tls_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    handler = SinkHandler(state, host)
+    handler = SinkHandler(state, host, pipelining=pipelining)
     extra: dict[str, Any] = {}
     if users is not None:
         extra = {"authenticator": authenticator(users), "auth_require_tls": True}

@@ -95,7 +95,8 @@ def _zones(dns: DnsServer) -> None:
 
 
 @asynccontextmanager
-async def mail_world(tmp_path: Path) -> AsyncIterator[World]:
+async def mail_world(tmp_path: Path, *, pipelining: bool = True) -> AsyncIterator[World]:
+    """`pipelining`: whether the sinks offer PIPELINING (RFC 2920)."""
     dns = await DnsServer().start()
     _zones(dns)
     ca = make_ca(tmp_path)
@@ -103,14 +104,18 @@ async def mail_world(tmp_path: Path) -> AsyncIterator[World]:
     port, servers = await start_sinks(
         state,
         {
-            "127.0.0.2": {},
-            "127.0.0.3": {},
+            "127.0.0.2": {"pipelining": pipelining},
+            "127.0.0.3": {"pipelining": pipelining},
             "127.0.0.4": {"greeting": "421 4.3.2 busy, try later"},
-            "127.0.0.5": {"tls_context": ca.server_context("mx.tls.test")},
-            "127.0.0.6": {"broken_starttls": True},
+            "127.0.0.5": {
+                "tls_context": ca.server_context("mx.tls.test"),
+                "pipelining": pipelining,
+            },
+            "127.0.0.6": {"broken_starttls": True, "pipelining": pipelining},
             "127.0.0.7": {
                 "tls_context": ca.server_context("relay.test"),
                 "users": dict([RELAY_USER]),
+                "pipelining": pipelining,
             },
         },
     )
