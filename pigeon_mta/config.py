@@ -234,8 +234,8 @@ class DeliverySettings:
     # After a wake-up, how long an idle engine lets new mail gather before it claims, and how
     # long the recorder lets results gather before it writes a small batch: fewer, larger
     # statements under load, for at most this much added delay.
-    claim_wait: Duration = Duration(0.005)
-    record_wait: Duration = Duration(0.005)
+    claim_wait: Duration = Duration(0.02)
+    record_wait: Duration = Duration(0.02)
     # How often the lease sweeper and expiry run.
     sweep_interval: Duration = Duration(10)
     # SMTP transactions one worker process has in flight at once, across all destinations.

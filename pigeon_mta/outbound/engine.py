@@ -522,17 +522,22 @@ class DeliveryEngine:
         Everything that must commit together with an outcome belongs in this transaction (bounce
         messages for bounced and expired recipients, suppression entries).
         """
-        async with self.pool.acquire() as conn, conn.transaction():
-            # A pooled connection proxies a Connection; the store takes either.
-            db = typing.cast(asyncpg.Connection, conn)
-            applied = await store_queue.record_attempts(db, results)
-            await store_bounces.bounce_and_suppress(
-                db,
-                results,
-                applied,
-                hostname=self.settings.server.hostname,
-                suppress_for=self.settings.bounces.suppress_for,
-            )
+        if not any(r.outcome in store_bounces.FAILED_OUTCOMES for r in results):
+            # Nothing to bounce or suppress: the record statement is the whole transaction
+            # (one round trip instead of BEGIN, record, COMMIT).
+            applied = await store_queue.record_attempts(self.pool, results)
+        else:
+            async with self.pool.acquire() as conn, conn.transaction():
+                # A pooled connection proxies a Connection; the store takes either.
+                db = typing.cast(asyncpg.Connection, conn)
+                applied = await store_queue.record_attempts(db, results)
+                await store_bounces.bounce_and_suppress(
+                    db,
+                    results,
+                    applied,
+                    hostname=self.settings.server.hostname,
+                    suppress_for=self.settings.bounces.suppress_for,
+                )
         for result in results:
             # Only outcomes that took effect: a fenced-out (stale) result is logged, not counted.
             if result.recipient_id in applied:

@@ -168,7 +168,11 @@ WITH c AS (
 SELECT m.id, m.org_id, m.sender, m.header_message_id, m.received_at, c.domain,
        array_agg(c.id ORDER BY c.address) AS ids,
        array_agg(c.address ORDER BY c.address) AS addresses,
-       array_agg(c.attempts ORDER BY c.address) AS attempts
+       array_agg(c.attempts ORDER BY c.address) AS attempts,
+       -- Each body once, on its message's first row, however many destination domains its
+       -- recipients are spread over (a large message to a hundred domains is read once).
+       CASE WHEN row_number() OVER (PARTITION BY m.id ORDER BY c.domain) = 1
+            THEN m.body END AS body
 FROM c JOIN message m ON m.id = c.message_id
 GROUP BY m.id, c.domain
 ORDER BY m.received_at
@@ -182,15 +186,7 @@ async def claim_due_recipients(
     rows = await db.fetch(_CLAIM, float(lease), owner, batch)
     if not rows:
         return []
-    # Each body once, however many destination domains its recipients are spread over (a large
-    # message to a hundred domains is fetched once, not a hundred times).
-    bodies = {
-        r["id"]: r["body"]
-        for r in await db.fetch(
-            "SELECT id, body FROM message WHERE id = ANY ($1::uuid[])",
-            list({row["id"] for row in rows}),
-        )
-    }
+    bodies = {row["id"]: row["body"] for row in rows if row["body"] is not None}
     return [
         Delivery(
             message_id=row["id"],
