@@ -206,6 +206,8 @@ def worker_services(settings: Settings, pool: asyncpg.Pool, url: str, index: int
     return services
 
 
+# A worker that ran this long before it died is restarted at once, as if it had never failed.
+HEALTHY_RUN = 60.0
 # The services running in this process, for SIGHUP (reload: TLS certificates, ...).
 _RUNNING: list[Service] = []
 # The worker processes of this supervisor, for forwarding SIGHUP.
@@ -284,6 +286,9 @@ async def _worker_process_async(settings: Settings, url: str, index: int) -> Non
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, reload_services)
+    # The supervisor started this process with SIGHUP blocked (see _supervise_children): one sent
+    # before now waited, and is delivered to the handler instead of killing the process.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
     await run_worker(settings, url, index, stop)
 
 
@@ -419,6 +424,7 @@ async def _supervise_children(
     """Run `count` worker processes; restart one that dies; on stop, SIGTERM all and wait."""
     ctx = multiprocessing.get_context("spawn")
     children: dict[int, multiprocessing.process.BaseProcess] = {}
+    started_at: dict[int, float] = {}
 
     def start(index: int) -> None:
         proc = ctx.Process(
@@ -427,7 +433,15 @@ async def _supervise_children(
             name=f"pigeon-worker-{index}",
             daemon=False,
         )
-        proc.start()
+        # A SIGHUP forwarded before the new process has installed its handler would kill it
+        # (the default action): it starts with SIGHUP blocked, inherited across fork and exec,
+        # and unblocks it once its handler is in place.
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        try:
+            proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        started_at[index] = loop_time()
         children[index] = proc
         if proc.pid is not None:
             exposition.worker_started(index, proc.pid)
@@ -448,6 +462,8 @@ async def _supervise_children(
             if stop.is_set() or proc.is_alive():
                 continue
             if index not in restart_at:
+                if now - started_at.get(index, now) >= HEALTHY_RUN:
+                    failures[index] = 0  # it had been running well: this is a new story
                 failures[index] = failures.get(index, 0) + 1
                 pause = min(60.0, 2.0 ** (failures[index] - 1)) if failures[index] > 1 else 0.0
                 restart_at[index] = now + pause

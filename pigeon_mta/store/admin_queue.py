@@ -281,7 +281,8 @@ class QueueSummary:
 # the cost follows the queue, not the history of delivered mail.
 _LIVE = """
 SELECT q.queued, q.due,
-    (SELECT count(*) FROM recipient WHERE status = 'delivering') AS delivering,
+    -- the rows in flight (lease_until is set exactly while status = 'delivering', migration 0006)
+    (SELECT count(*) FROM recipient WHERE lease_until IS NOT NULL) AS delivering,
     (SELECT COALESCE(extract(epoch FROM now() - min(next_attempt_at)), 0)
        FROM recipient WHERE status = 'queued' AND next_attempt_at <= now()) AS oldest_due_age
 FROM (SELECT count(*) AS queued, count(*) FILTER (WHERE next_attempt_at <= now()) AS due

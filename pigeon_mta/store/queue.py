@@ -239,8 +239,8 @@ INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, 
 SELECT v.attempt_id, v.recipient_id, v.message_id, v.org_id, v.attempt, v.started_at,
        v.duration * 1000, v.mx_host, v.ip, v.port, v.tls_version, v.tls_cipher, v.code,
        v.enhanced_code, v.response, v.outcome, v.category, v.rule, v.next_attempt_at,
-       EXISTS (SELECT 1 FROM u WHERE u.id = v.recipient_id)
-FROM v
+       u.id IS NOT NULL
+FROM v LEFT JOIN u ON u.id = v.recipient_id
 RETURNING recipient_id, applied
 """
 
@@ -388,7 +388,10 @@ RETURNING recipient_id
 _SQL_ID = "gen_random_uuid()"
 
 _SWEEP = _REQUEUE_LOST.format(condition="lease_until < now()", id_function=_SQL_ID)
-_FREE_OWN = _REQUEUE_LOST.format(condition="lease_owner = $2", id_function=_SQL_ID)
+# (lease_until IS NOT NULL: the rows in flight, through recipient_leased, not the whole table)
+_FREE_OWN = _REQUEUE_LOST.format(
+    condition="lease_until IS NOT NULL AND lease_owner = $2", id_function=_SQL_ID
+)
 
 
 async def requeue_expired_leases(db: Executor, *, limit: int = 1000) -> int:
@@ -500,7 +503,8 @@ SELECT
     (SELECT count(*) FROM recipient WHERE status = 'queued') AS queued,
     (SELECT count(*) FROM recipient WHERE status = 'queued' AND next_attempt_at <= now()) AS due,
     (SELECT count(*) FROM recipient WHERE status = 'queued' AND attempts > 0) AS deferred,
-    (SELECT count(*) FROM recipient WHERE status = 'delivering') AS delivering,
+    -- the rows in flight (lease_until is set exactly while status = 'delivering', migration 0006)
+    (SELECT count(*) FROM recipient WHERE lease_until IS NOT NULL) AS delivering,
     (SELECT COALESCE(extract(epoch FROM now() - min(next_attempt_at)), 0)
        FROM recipient WHERE status = 'queued' AND next_attempt_at <= now()) AS oldest_due_age
 """

@@ -32,9 +32,12 @@ async def bulk_queue(
             RETURNING id, received_at
         )
         INSERT INTO recipient (id, message_id, org_id, address, domain, status, created_at,
-                               next_attempt_at)
+                               next_attempt_at, lease_until, lease_owner)
         SELECT gen_random_uuid(), m.id, $1, 'rcpt' || n || '.' || left(m.id::text, 8) || '@' || $6,
-               $6, $3, m.received_at, now() + make_interval(secs => $4)
+               $6, $3, m.received_at, now() + make_interval(secs => $4),
+               -- a row in flight holds a lease, as a claim leaves it
+               CASE WHEN $3 = 'delivering' THEN now() + interval '5 minutes' END,
+               CASE WHEN $3 = 'delivering' THEN 'bulk-test' END
         FROM m, generate_series(1, $7) AS n
         """,
         org_id,

@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 import pytest
 
+from pigeon_mta.ids import new_ids
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
 from pigeon_mta.store import queue
 from tests.integration.queue_helpers import bulk_queue, results_for
@@ -396,3 +397,66 @@ async def test_release_and_renew_touch_only_the_claim_they_name(
     assert await queue.release_leases(pool, [rid], owner=OWNER, attempts=[2]) == 1
     row = await pool.fetchrow("SELECT status, attempts FROM recipient WHERE id = $1", rid)
     assert (row["status"], row["attempts"]) == ("queued", 1)
+
+
+async def test_fenced_statements_look_up_their_rows_by_primary_key_with_many_in_flight(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """Record, renew and release name their rows by id. With statistics taken while nothing was
+    in flight and then 5,000 rows in flight, they must still go by primary key, not scan every
+    in-flight row (migration 0006); the sweeper and the in-flight count use recipient_leased."""
+    await bulk_queue(pool, org_id, messages=20_000, status="delivered")
+    await bulk_queue(pool, org_id, messages=5_000)
+    await pool.execute("VACUUM ANALYZE recipient")  # statistics: nothing in flight
+    claimed = [
+        d
+        for _ in range(50)
+        for d in await queue.claim_due_recipients(pool, owner=OWNER, lease=300, batch=100)
+    ]
+    rows = [(d, r) for d in claimed for r in d.recipients][:100]
+    results = results_for([d for d, _ in rows], Outcome.DELIVERED)[:100]
+    async with pool.acquire() as conn:
+        record = await _recipient_scans(
+            conn,
+            queue._RECORD,
+            new_ids(len(results)),
+            [r.recipient_id for r in results],
+            [r.message_id for r in results],
+            [r.org_id for r in results],
+            [r.attempt for r in results],
+            [str(r.outcome) for r in results],
+            [r.started_at for r in results],
+            [r.duration for r in results],
+            [None] * len(results),
+            *([[None] * len(results)] * 2),
+            [None] * len(results),
+            *([[None] * len(results)] * 2),
+            [250] * len(results),
+            *([[None] * len(results)] * 4),
+        )
+        ids = [r.id for _, r in rows]
+        attempts = [r.attempts for _, r in rows]
+        renew = await _recipient_scans(conn, queue._RENEW_FENCED, ids, OWNER, 300.0, attempts)
+        release = await _recipient_scans(conn, queue._RELEASE_FENCED, ids, OWNER, attempts, None)
+        sweep = await _recipient_scans(conn, queue._SWEEP, 100)
+        count = await _recipient_scans(conn, queue._STATS)
+    for scans in (record, renew, release):
+        assert ("Index Scan", "recipient_pkey") in scans, scans
+        assert all(name != "recipient_leased" for _, name in scans), scans
+    assert ("Index Scan", "recipient_leased") in sweep, sweep
+    assert all(kind != "Seq Scan" for kind, _ in sweep + count), (sweep, count)
+    assert any(name == "recipient_leased" for _, name in count), count
+
+
+async def _recipient_scans(
+    conn: asyncpg.Connection, sql: str, *args: object
+) -> list[tuple[str, str | None]]:
+    async with conn.transaction():
+        plan = await conn.fetchval("EXPLAIN (FORMAT JSON) " + sql, *args)
+        await conn.execute("ROLLBACK AND CHAIN")
+    nodes = list(_plan_nodes(json.loads(plan) if isinstance(plan, str) else plan))
+    return [
+        (n["Node Type"], n.get("Index Name"))
+        for n in nodes
+        if n.get("Relation Name") == "recipient"
+    ]
