@@ -129,3 +129,44 @@ enabled = false  # accept-only: this test is about the front door (and must not 
     accepted = await pool.fetchval("SELECT count(*) FROM message")
     assert accepted == sent + 1 + 8
     assert await pool.fetchval("SELECT count(*) FROM message WHERE auth_user = 'app'") == 9
+
+
+async def test_sighup_while_workers_start_reloads_instead_of_killing_them(
+    tmp_path: Path, db_url: str
+) -> None:
+    """A SIGHUP that reaches a worker before it has set up its handler waits (the worker starts
+    with SIGHUP blocked) instead of killing it with the default action: SIGHUPs sent from the
+    moment `serve` starts never make the supervisor restart a worker."""
+    config = write_config(
+        tmp_path,
+        f"""
+[server]
+hostname = "mta.test"
+data_dir = "{tmp_path}"
+node_name = "e2e-hup"
+[database]
+url = "{db_url}"
+[[listener]]
+name = "relay"
+address = "127.0.0.1:{free_port()}"
+mode = "relay"
+[metrics]
+listen = "127.0.0.1:{free_port()}"
+[delivery]
+enabled = false
+""",
+    )
+    serve = ServeProcess("--config", str(config), "--processes", "2")
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids_of(serve, "listener relay bound")) < 2:
+            assert time.monotonic() < deadline and serve.proc.poll() is None, serve.output
+            if "started worker" in serve.output:
+                serve.proc.send_signal(signal.SIGHUP)  # forwarded to the workers at once
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(1.5)  # a worker killed at the last moment would be noticed by now
+        assert "exited with" not in serve.output, serve.output
+        assert "received SIGHUP" in serve.output
+    finally:
+        exit_code = await asyncio.to_thread(serve.stop, signal.SIGTERM)
+    assert exit_code == 0, serve.output
