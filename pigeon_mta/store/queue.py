@@ -256,8 +256,13 @@ async def record_attempts(db: Executor, results: Sequence[AttemptResult]) -> set
     for result in results:
         if result.outcome == Outcome.DEFERRED and result.next_attempt_at is None:
             raise ValueError("a deferred outcome needs next_attempt_at")
-    rows = await db.fetch(
-        _RECORD,
+    rows = await db.fetch(_RECORD, *_record_arguments(results))
+    return {row["recipient_id"] for row in rows if row["applied"]}
+
+
+def _record_arguments(results: Sequence[AttemptResult]) -> list[Sequence[object]]:
+    """The parameters of _RECORD: one array per column, one element per result."""
+    return [
         new_ids(len(results)),
         [r.recipient_id for r in results],
         [r.message_id for r in results],
@@ -277,8 +282,7 @@ async def record_attempts(db: Executor, results: Sequence[AttemptResult]) -> set
         [storable_text(r.reply.text) for r in results],
         [storable_text(r.category) for r in results],
         [storable_text(r.rule) for r in results],
-    )
-    return {row["recipient_id"] for row in rows if row["applied"]}
+    ]
 
 
 # ---------------------------------------------------------------- leases

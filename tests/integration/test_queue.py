@@ -11,7 +11,6 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 import pytest
 
-from pigeon_mta.ids import new_ids
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
 from pigeon_mta.store import queue
 from tests.integration.queue_helpers import bulk_queue, results_for
@@ -416,24 +415,7 @@ async def test_fenced_statements_look_up_their_rows_by_primary_key_with_many_in_
     rows = [(d, r) for d in claimed for r in d.recipients][:100]
     results = results_for([d for d, _ in rows], Outcome.DELIVERED)[:100]
     async with pool.acquire() as conn:
-        record = await _recipient_scans(
-            conn,
-            queue._RECORD,
-            new_ids(len(results)),
-            [r.recipient_id for r in results],
-            [r.message_id for r in results],
-            [r.org_id for r in results],
-            [r.attempt for r in results],
-            [str(r.outcome) for r in results],
-            [r.started_at for r in results],
-            [r.duration for r in results],
-            [None] * len(results),
-            *([[None] * len(results)] * 2),
-            [None] * len(results),
-            *([[None] * len(results)] * 2),
-            [250] * len(results),
-            *([[None] * len(results)] * 4),
-        )
+        record = await _recipient_scans(conn, queue._RECORD, *queue._record_arguments(results))
         ids = [r.id for _, r in rows]
         attempts = [r.attempts for _, r in rows]
         renew = await _recipient_scans(conn, queue._RENEW_FENCED, ids, OWNER, 300.0, attempts)
