@@ -208,3 +208,43 @@ async def test_a_peer_that_does_not_speak_smtp_is_deferred_and_dropped(
     [row] = rows
     assert row["outcome"] == "deferred"
     assert "not an SMTP reply" in row["response"]
+
+
+async def test_replies_split_anywhere_across_segments_are_put_together(
+    world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
+) -> None:
+    """The peer sends its replies to a pipelined group one byte per segment (TCP may cut a
+    reply anywhere): each multi-line reply is still read whole, in order."""
+
+    class Trickle(ScriptedPeer):
+        async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            real_write = writer.write
+
+            async def drained(data: bytes) -> None:
+                for i in range(len(data)):
+                    real_write(data[i : i + 1])
+                    await writer.drain()
+                    await asyncio.sleep(0)
+
+            pending: list[asyncio.Task[None]] = []
+
+            def trickle(data: bytes) -> None:
+                pending.append(asyncio.ensure_future(drained(data)))
+
+            writer.write = trickle  # type: ignore[method-assign]
+            await super().handle(reader, writer)
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    peer = Trickle(per_line)
+    server = await asyncio.start_server(peer.handle, HOST, 0)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        settings = world.settings(db_url, relayhost=f"{HOST}:{port}")
+        async with running_engine(settings, pool, db_url):
+            qid = await send(pool, org_id, "a@order.test", "reject@order.test")
+            final = await wait_final(pool, qid)
+    finally:
+        server.close()
+    assert final == {"a@order.test": "delivered", "reject@order.test": "bounced"}
+    rows = {r["address"]: r for r in await attempts(pool, qid)}
+    assert "help.test/550" in rows["reject@order.test"]["response"]
