@@ -33,6 +33,10 @@ class Outcome(enum.StrEnum):
     BOUNCED = "bounced"
     EXPIRED = "expired"
     SUPPRESSED = "suppressed"
+    # Operator decisions (`pigeon-mta queue cancel` / `queue retry`), recorded in the attempt log
+    # beside the attempts; never the result of a delivery.
+    CANCELLED = "cancelled"
+    RETRIED = "retried"
 
 
 # The delivery-log event type for each outcome (interface contract: `type` field).
@@ -42,6 +46,8 @@ EVENT_TYPE = {
     Outcome.BOUNCED: "Bounce",
     Outcome.EXPIRED: "Expiration",
     Outcome.SUPPRESSED: "Suppressed",
+    Outcome.CANCELLED: "Cancelled",
+    Outcome.RETRIED: "Retried",
 }
 
 

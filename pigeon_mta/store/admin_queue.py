@@ -90,6 +90,20 @@ _SET = {
 }
 
 
+# What the attempt log says of an action (see migration 0007).
+_OUTCOME = {"retry": "retried", "cancel": "cancelled"}
+_NOTE = {
+    "retry": "made due now by an operator (pigeon-mta queue retry)",
+    "cancel": "cancelled by an operator (pigeon-mta queue cancel); it will not be delivered",
+}
+
+
+def param_literal(value: Any, params: list[Any]) -> str:
+    """Append `value` to the statement's parameters; its placeholder, typed as text."""
+    params.append(value)
+    return f"${len(params)}::text"
+
+
 @dataclass(frozen=True)
 class ActionResult:
     action: Action
@@ -115,8 +129,23 @@ async def bulk_action(
         if dry_run:
             count = await db.fetchval(f"SELECT count(*) FROM recipient r WHERE {where}", *params)
         else:
-            tag = await db.execute(f"UPDATE recipient r SET {_SET[action]} WHERE {where}", *params)
-            count = int(tag.rsplit(" ", 1)[-1])  # "UPDATE n"
+            # Each touched recipient gets an attempt-log row saying what the operator did.
+            count = await db.fetchval(
+                f"""WITH touched AS (
+                        UPDATE recipient r SET {_SET[action]} WHERE {where}
+                        RETURNING r.id, r.message_id, r.org_id, r.attempts
+                    ), logged AS (
+                        INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt,
+                                             started_at, outcome, response)
+                        SELECT gen_random_uuid(), id, message_id, org_id, attempts, now(),
+                               {param_literal(_OUTCOME[action], params)},
+                               {param_literal(_NOTE[action], params)}
+                        FROM touched
+                        RETURNING 1
+                    )
+                    SELECT count(*) FROM logged""",
+                *params,
+            )
             if action == "retry" and count:
                 # Wake idle workers now rather than at their next poll (sent on commit).
                 await db.execute("SELECT pg_notify($1, '')", NOTIFY_CHANNEL)

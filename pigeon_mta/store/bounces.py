@@ -59,7 +59,7 @@ FROM recipient r
 JOIN message m ON m.id = r.message_id
 LEFT JOIN LATERAL (
     SELECT mx_host, started_at FROM attempt
-    WHERE recipient_id = r.id AND outcome <> 'expired'
+    WHERE recipient_id = r.id AND outcome NOT IN ('expired', 'cancelled', 'retried')
     ORDER BY started_at DESC LIMIT 1
 ) a ON true
 WHERE r.id = ANY ($1::uuid[]) AND m.sender <> ''

@@ -190,3 +190,32 @@ async def test_summary_list_and_show(db_url: str, pool: asyncpg.Pool, org_id: uu
     assert by_message["sender"] == "sender@example.com" and by_message["org"] == "acme"
     text = run_pigeon("queue", "show", rid, env={"PIGEON_DATABASE_URL": db_url})
     assert text.returncode == 0 and "greylisted" in text.stdout
+
+
+async def test_operator_actions_are_in_the_message_log(
+    db_url: str, pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """`queue cancel` and `queue retry` leave a line in the attempt log, so `pigeon-mta log`
+    says why a recipient stopped, or was tried again early; untouched recipients get none."""
+    await deferred(pool, org_id, messages=2, domain="example.net", age=60)
+    first, second = [
+        r["message_id"]
+        for r in await pool.fetch("SELECT message_id FROM recipient ORDER BY message_id")
+    ]
+    assert pigeon(db_url, "queue", "cancel", str(first))["count"] == 1
+    assert pigeon(db_url, "queue", "retry", str(second))["count"] == 1
+
+    def events(queue_id: uuid.UUID) -> list[dict[str, Any]]:
+        result = run_pigeon("log", str(queue_id), "--json", env={"PIGEON_DATABASE_URL": db_url})
+        assert result.returncode == 0, result.stderr
+        return [json.loads(line) for line in result.stdout.splitlines()]
+
+    cancelled = [e for e in events(first) if e["type"] != "Reception"]
+    assert [e["type"] for e in cancelled] == ["Cancelled"]
+    assert "cancelled by an operator" in cancelled[0]["response"]
+    retried = [e for e in events(second) if e["type"] != "Reception"]
+    assert [e["type"] for e in retried] == ["Retried"]
+    assert "made due now by an operator" in retried[0]["response"]
+    # A second cancel finds nothing to cancel and logs nothing more.
+    assert pigeon(db_url, "queue", "cancel", str(first))["count"] == 0
+    assert await pool.fetchval("SELECT count(*) FROM attempt") == 2
