@@ -69,6 +69,10 @@ async def prepare_database(settings: Settings, url: str) -> None:
 # ---------------------------------------------------------------- maintenance
 
 
+# Expired recipients kept for the delivery log while the database cannot be read, at most.
+MAX_UNLOGGED_EXPIRIES = 100_000
+
+
 @dataclass
 class Maintenance:
     """Lease sweeper, expiry and queue stats: cheap periodic queries, one set per node."""
@@ -80,6 +84,9 @@ class Maintenance:
     last_stats: store_queue.QueueStats | None = None
     healthy: bool = True
     _warned: bool = field(default=False, repr=False)
+    # Expired recipients whose delivery-log records are not written yet (the read failed): tried
+    # again every round until written, so a database blip does not lose Expiration records.
+    _unlogged: list[store_queue.ExpiredRecipient] = field(default_factory=list, repr=False)
 
     async def run(self, stop: asyncio.Event) -> None:
         delivery = self.settings.delivery
@@ -125,7 +132,18 @@ class Maintenance:
         if expired:
             log.warning("expiry: %d recipient(s) passed delivery.max_age and expired", len(expired))
             if self.on_expired is not None:
-                await self.on_expired(expired)
+                self._unlogged.extend(expired)
+                if len(self._unlogged) > MAX_UNLOGGED_EXPIRIES:
+                    dropped = len(self._unlogged) - MAX_UNLOGGED_EXPIRIES
+                    del self._unlogged[:dropped]
+                    log.error(
+                        "expiry: %d Expiration record(s) will not reach the delivery log (the "
+                        "database has them: pigeon-mta log)",
+                        dropped,
+                    )
+        if self._unlogged and self.on_expired is not None:
+            await self.on_expired(self._unlogged)
+            self._unlogged = []
         keep = self.settings.retention.messages
         if keep > 0:
             purged = await store_queue.purge_finished_messages(self.pool, older_than=keep)
@@ -408,9 +426,11 @@ async def _start_http(http: ObservabilityServer) -> None:
 async def _log_expiries(
     pool: asyncpg.Pool, delivery_log: DeliveryLog, expired: list[store_queue.ExpiredRecipient]
 ) -> None:
-    """Recipients the sweeper expired: counted, and written to the delivery log."""
+    """Recipients the sweeper expired: written to the delivery log, and counted. The read comes
+    first: if it fails, nothing is counted, and the maintenance loop calls again next round."""
+    stories = await store_events.expiry_stories(pool, [e.recipient_id for e in expired])
     metrics.DELIVERIES.labels(outcome="expired").inc(len(expired))
-    delivery_log.stories(await store_events.expiry_stories(pool, [e.recipient_id for e in expired]))
+    delivery_log.stories(stories)
 
 
 def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
