@@ -24,7 +24,8 @@ from pigeon_mta.bounce import (
     build_bounce,
     header_section,
 )
-from pigeon_mta.model import AttemptResult, Outcome, Reply, Status
+from pigeon_mta.ids import new_id
+from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply, Status
 from pigeon_mta.store import queue as store_queue
 from pigeon_mta.store import suppression as store_suppression
 from pigeon_mta.store.queue import Executor, ExpiredRecipient
@@ -82,7 +83,7 @@ async def enqueue_bounces(
     for row in rows:
         if row["status"] in (Status.BOUNCED, Status.EXPIRED):
             per_message[row["message_id"]].append(row)
-    queued: list[uuid.UUID] = []
+    dsns: list[tuple[uuid.UUID, Envelope]] = []
     for message_rows in per_message.values():
         first = message_rows[0]
         original = OriginalMessage(
@@ -95,8 +96,10 @@ async def enqueue_bounces(
         )
         envelope = build_bounce(original, [_report(row) for row in message_rows], hostname=hostname)
         if envelope is not None:
-            queued.append(await store_queue.enqueue(db, envelope))
-    return queued
+            dsns.append((new_id(), envelope))
+    # All of this round's DSNs in one statement, with one NOTIFY sent at commit.
+    await store_queue.enqueue_many(db, dsns, notify=True)
+    return [queue_id for queue_id, _envelope in dsns]
 
 
 def _report(row: asyncpg.Record) -> RecipientReport:
@@ -153,6 +156,10 @@ async def record_attempts_and_bounce(
     """The engine's record step: outcomes, attempt log, DSNs and suppressions in one transaction."""
     if not results:
         return Recorded(applied=set())
+    if not any(r.outcome in FAILED_OUTCOMES for r in results):
+        # Nothing to bounce or suppress: the record statement is the whole transaction (one round
+        # trip instead of BEGIN, record, COMMIT; most batches under load are like this).
+        return Recorded(applied=await store_queue.record_attempts(db, results))
     async with _transaction(db) as conn:
         applied = await store_queue.record_attempts(conn, results)
         return await bounce_and_suppress(

@@ -1,4 +1,7 @@
-"""Schema migrations: numbered SQL files applied once each, under an advisory lock, recorded in a table."""
+"""Schema migrations: numbered SQL files applied once each, under an advisory lock, recorded in a table.
+
+Numbers only need to increase; gaps are fine (no 0004 was ever committed).
+"""
 
 from __future__ import annotations
 

@@ -25,9 +25,6 @@ log = logging.getLogger(__name__)
 
 Connector = Callable[[], Awaitable[asyncpg.Connection]]
 
-# What a lost or refused database connection raises (InternalClientError: a session cut in the
-# middle of an operation).
-
 
 class QueueWaker:
     def __init__(self, connect: Connector, *, retry_delay: float = 1.0) -> None:

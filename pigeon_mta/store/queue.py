@@ -40,67 +40,9 @@ def recipient_domain(address: str) -> str:
 
 # ---------------------------------------------------------------- enqueue
 
+# Messages, each with all its recipients, in one statement, so in one commit: all of them or none.
+# (Data-modifying CTEs run whether or not the final SELECT reads them.)
 _ENQUEUE_TEMPLATE = """
-WITH m AS (
-    INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
-                         client_ip, client_helo, credential_id, auth_user)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8::inet, $9, $10, $11)
-    RETURNING id, org_id, received_at
-), r AS (
-    INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at)
-    SELECT u.id, m.id, m.org_id, u.address, u.domain, m.received_at, m.received_at
-    FROM m, unnest($12::uuid[], $13::text[], $14::text[]) AS u (id, address, domain)
-)
-SELECT {notify} FROM m
-"""
-_ENQUEUE = _ENQUEUE_TEMPLATE.format(notify=f"pg_notify('{NOTIFY_CHANNEL}', '')")
-_ENQUEUE_QUIET = _ENQUEUE_TEMPLATE.format(notify="1")
-
-
-async def enqueue(
-    db: Executor,
-    envelope: Envelope,
-    *,
-    notify: bool = True,
-    queue_id: uuid.UUID | None = None,
-) -> uuid.UUID:
-    """Queue a message and all its recipients in one statement; returns the queue id.
-
-    With `notify`, the NOTIFY is part of the same transaction, so PostgreSQL delivers it only on
-    commit: a worker woken by it always finds the rows. But a transaction that NOTIFYs holds
-    PostgreSQL's notification-queue lock from pre-commit until its commit record is flushed, so such
-    transactions cannot share a WAL flush (group commit): measured here, 16 connections enqueue
-    barely faster than one. The high-rate submission path therefore passes `notify=False` and
-    pokes a `NotifySender` after the commit instead, which coalesces wake-ups (store/notify.py).
-    `queue_id` lets the caller name the message beforehand (the submission side writes it into
-    the Received header).
-    """
-    if not envelope.recipients:
-        raise ValueError("a message needs at least one recipient")
-    queue_id = queue_id or new_id()
-    await db.execute(
-        _ENQUEUE if notify else _ENQUEUE_QUIET,
-        queue_id,
-        envelope.org_id,
-        envelope.sender,
-        envelope.message_id,
-        len(envelope.body),
-        envelope.body,
-        envelope.listener,
-        envelope.client_ip,
-        envelope.client_helo,
-        envelope.credential_id,
-        envelope.auth_user,
-        new_ids(len(envelope.recipients)),
-        list(envelope.recipients),
-        [recipient_domain(r) for r in envelope.recipients],
-    )
-    return queue_id
-
-
-# Several messages, each with its recipients, in one statement (the group commit of the submission
-# path, store/group_commit.py). Every message of the batch commits, or none does.
-_ENQUEUE_MANY = """
 WITH m AS (
     INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
                          client_ip, client_helo, credential_id, auth_user)
@@ -114,19 +56,47 @@ WITH m AS (
          AS u (id, message_id, address, domain)
     JOIN m ON m.id = u.message_id
 )
-SELECT count(*) FROM m
+SELECT {final}
 """
+_ENQUEUE = _ENQUEUE_TEMPLATE.format(final=f"pg_notify('{NOTIFY_CHANNEL}', '')")
+_ENQUEUE_QUIET = _ENQUEUE_TEMPLATE.format(final="1")
 
 
-async def enqueue_many(db: Executor, batch: Sequence[tuple[uuid.UUID, Envelope]]) -> None:
-    """Queue several messages (queue id, envelope) in one statement, so in one commit: all of
-    them or none. Without NOTIFY (see `enqueue`: the caller wakes the engines after the commit)."""
+async def enqueue(
+    db: Executor,
+    envelope: Envelope,
+    *,
+    notify: bool = True,
+    queue_id: uuid.UUID | None = None,
+) -> uuid.UUID:
+    """Queue one message and all its recipients (see `enqueue_many`); returns the queue id.
+    `queue_id` lets the caller name the message beforehand."""
+    queue_id = queue_id or new_id()
+    await enqueue_many(db, [(queue_id, envelope)], notify=notify)
+    return queue_id
+
+
+async def enqueue_many(
+    db: Executor, batch: Sequence[tuple[uuid.UUID, Envelope]], *, notify: bool = False
+) -> None:
+    """Queue several messages (queue id, envelope) in one statement: all of them or none.
+
+    With `notify`, the NOTIFY is part of the same transaction, so PostgreSQL delivers it only on
+    commit: a worker woken by it always finds the rows (DSNs queued in the record transaction use
+    this). But a transaction that NOTIFYs holds PostgreSQL's notification-queue lock from
+    pre-commit until its commit record is flushed, so such transactions cannot share a WAL flush
+    (group commit): measured here, 16 connections enqueue barely faster than one. The submission
+    path (store/group_commit.py) therefore commits without it and wakes the engines afterwards
+    through a `NotifySender`, which coalesces wake-ups (store/notify.py).
+    """
+    if not batch:
+        return
     for _queue_id, envelope in batch:
         if not envelope.recipients:
             raise ValueError("a message needs at least one recipient")
     recipients = [(q, r) for q, envelope in batch for r in envelope.recipients]
     await db.execute(
-        _ENQUEUE_MANY,
+        _ENQUEUE if notify else _ENQUEUE_QUIET,
         [q for q, _e in batch],
         [e.org_id for _q, e in batch],
         [e.sender for _q, e in batch],
@@ -287,15 +257,9 @@ def _record_arguments(results: Sequence[AttemptResult]) -> list[Sequence[object]
 
 # ---------------------------------------------------------------- leases
 
-_RENEW = """
-UPDATE recipient SET lease_until = now() + make_interval(secs => $3), updated_at = now()
-WHERE id = ANY ($1::uuid[]) AND status = 'delivering' AND lease_owner = $2
-"""
-
-
-# The fenced forms also match the claim's attempt number: processes of one node share its name as
-# lease owner, so the name alone cannot tell a claim from a newer claim of the same row (taken after
-# the first one's lease ran out).
+# A lease is named by its row AND the claim's attempt number: processes of one node share its name
+# as lease owner, so the name alone cannot tell a claim from a newer claim of the same row (taken
+# after the first one's lease ran out).
 _RENEW_FENCED = """
 UPDATE recipient r SET lease_until = now() + make_interval(secs => $3), updated_at = now()
 FROM unnest($1::uuid[], $4::int[]) AS v (id, attempt)
@@ -309,30 +273,15 @@ async def renew_leases(
     *,
     owner: str,
     lease: float,
-    attempts: Sequence[int] | None = None,
+    attempts: Sequence[int],
 ) -> int:
-    """Extend the lease of rows still held by `owner` (a long transaction keeps its claim).
-
-    With `attempts` (the attempt number of each claim), only those very claims are renewed.
-    """
-    if attempts is not None:
-        return _count(
-            await db.execute(_RENEW_FENCED, list(ids), owner, float(lease), list(attempts))
-        )
-    result = await db.execute(_RENEW, list(ids), owner, float(lease))
-    return _count(result)
+    """Extend the lease of these very claims (ids with their attempt numbers) while `owner` still
+    holds them: a long transaction keeps its claim."""
+    return _count(await db.execute(_RENEW_FENCED, list(ids), owner, float(lease), list(attempts)))
 
 
 # Undo a claim that was never attempted (graceful shutdown): the attempt did not happen, so the
 # counter goes back down and the row is due again at once.
-_RELEASE = """
-UPDATE recipient
-SET status = 'queued', attempts = attempts - 1, lease_until = NULL, lease_owner = NULL,
-    updated_at = now()
-WHERE id = ANY ($1::uuid[]) AND status = 'delivering' AND lease_owner = $2
-"""
-
-
 _RELEASE_FENCED = """
 UPDATE recipient r
 SET status = 'queued', attempts = r.attempts - 1, lease_until = NULL, lease_owner = NULL,
@@ -347,20 +296,14 @@ async def release_leases(
     ids: Sequence[uuid.UUID],
     *,
     owner: str,
-    attempts: Sequence[int] | None = None,
+    attempts: Sequence[int],
     due_at: datetime | None = None,
 ) -> int:
-    """Undo unattempted claims; with `attempts`, only those very claims (see _RENEW_FENCED).
-
-    `due_at` postpones them instead of making them due at once: a destination with no room now
-    (its rate or concurrency limit) gets them back when it should have room.
-    """
-    if attempts is not None:
-        tag = await db.execute(_RELEASE_FENCED, list(ids), owner, list(attempts), due_at)
-        return _count(tag)
-    if due_at is not None:
-        raise ValueError("a postponed release names its claims (attempts)")
-    return _count(await db.execute(_RELEASE, list(ids), owner))
+    """Undo these very claims, never attempted (see _RENEW_FENCED): the attempt counter goes back
+    down and the rows are due again at once, or at `due_at` (a destination with no room now, its
+    rate or concurrency limit, gets them back when it should have room)."""
+    tag = await db.execute(_RELEASE_FENCED, list(ids), owner, list(attempts), due_at)
+    return _count(tag)
 
 
 # A lease that ran out (or that a restarted node held) stands for an attempt whose outcome nobody

@@ -246,11 +246,14 @@ async def test_renew_and_release(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
     await bulk_queue(pool, org_id, messages=2)
     deliveries = await queue.claim_due_recipients(pool, owner=OWNER, lease=5, batch=10)
     ids = [r.id for d in deliveries for r in d.recipients]
-    assert await queue.renew_leases(pool, ids, owner=OWNER, lease=3600) == 2
-    assert await queue.renew_leases(pool, ids, owner="someone-else", lease=3600) == 0
+    tries = [r.attempts for d in deliveries for r in d.recipients]
+    assert await queue.renew_leases(pool, ids, owner=OWNER, lease=3600, attempts=tries) == 2
+    assert (
+        await queue.renew_leases(pool, ids, owner="someone-else", lease=3600, attempts=tries) == 0
+    )
     left = await pool.fetchval("SELECT min(lease_until - now()) FROM recipient")
     assert left > timedelta(seconds=3500)
-    assert await queue.release_leases(pool, ids[:1], owner=OWNER) == 1
+    assert await queue.release_leases(pool, ids[:1], owner=OWNER, attempts=tries[:1]) == 1
     row = await pool.fetchrow(
         "SELECT status, attempts, lease_owner FROM recipient WHERE id = $1", ids[0]
     )
