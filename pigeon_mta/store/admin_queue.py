@@ -36,6 +36,12 @@ CANCELLABLE = (Status.QUEUED, DEFERRED)
 Action = Literal["retry", "cancel"]
 
 
+def placeholder(value: Any, params: list[Any], cast: str = "") -> str:
+    """Append `value` to a statement's parameters; returns its placeholder ($n, with `cast`)."""
+    params.append(value)
+    return f"${len(params)}{cast}"
+
+
 @dataclass(frozen=True)
 class Selection:
     """Which recipient rows a command is about. Empty fields do not restrict."""
@@ -50,8 +56,7 @@ class Selection:
         """The SQL condition on `recipient r`; appends its parameters to `params`."""
 
         def param(value: Any) -> str:
-            params.append(value)
-            return f"${len(params)}"
+            return placeholder(value, params)
 
         conditions: list[str] = []
         wanted = self.statuses if statuses is None else statuses
@@ -98,12 +103,6 @@ _NOTE = {
 }
 
 
-def param_literal(value: Any, params: list[Any]) -> str:
-    """Append `value` to the statement's parameters; its placeholder, typed as text."""
-    params.append(value)
-    return f"${len(params)}::text"
-
-
 @dataclass(frozen=True)
 class ActionResult:
     action: Action
@@ -138,8 +137,8 @@ async def bulk_action(
                         INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt,
                                              started_at, outcome, response)
                         SELECT gen_random_uuid(), id, message_id, org_id, attempts, now(),
-                               {param_literal(_OUTCOME[action], params)},
-                               {param_literal(_NOTE[action], params)}
+                               {placeholder(_OUTCOME[action], params, "::text")},
+                               {placeholder(_NOTE[action], params, "::text")}
                         FROM touched
                         RETURNING 1
                     )
