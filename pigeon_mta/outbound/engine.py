@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import logging
 import random
-import typing
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -386,9 +385,7 @@ class DeliveryEngine:
         self._submit(results)
 
     async def _deliver(self, delivery: Delivery, started_at: datetime) -> list[AttemptResult]:
-        route = self.router.static_route(delivery.domain) or await self.router.route(
-            delivery.domain
-        )
+        route = await self.router.route(delivery.domain)
         if isinstance(route, RouteFailure):
             return self._judge(
                 delivery,
@@ -424,19 +421,25 @@ class DeliveryEngine:
             connected = await self.connections.connect(route, tls, self.router)
             if isinstance(connected, NotConnected):
                 return not_connected(delivery.recipients, connected, started)
-            tx = await transact(
-                connected,
-                sender=delivery.sender,
-                recipients=delivery.recipients,
-                message=message,
-                command_timeout=self.delivery.command_timeout,
-                data_timeout=self.delivery.data_timeout,
-                started=started,
-                on_data_sent=self._data_sent.update,
-            )
-            await self.connections.release(
-                connected.connection, reusable=tx.reusable, max_messages=max_messages
-            )
+            reusable = False  # unless the transaction says so: an error escaping it breaks it
+            try:
+                tx = await transact(
+                    connected,
+                    sender=delivery.sender,
+                    recipients=delivery.recipients,
+                    message=message,
+                    command_timeout=self.delivery.command_timeout,
+                    data_timeout=self.delivery.data_timeout,
+                    started=started,
+                    on_data_sent=self._data_sent.update,
+                )
+                reusable = tx.reusable
+            finally:
+                # Always given back: a connection kept by a failed task would hold its host's
+                # slot for good, and the destination would wait on the pool for ever.
+                await self.connections.release(
+                    connected.connection, reusable=reusable, max_messages=max_messages
+                )
             if not tx.stale_connection:
                 break
         return tx
@@ -522,22 +525,14 @@ class DeliveryEngine:
         Everything that must commit together with an outcome belongs in this transaction (bounce
         messages for bounced and expired recipients, suppression entries).
         """
-        if not any(r.outcome in store_bounces.FAILED_OUTCOMES for r in results):
-            # Nothing to bounce or suppress: the record statement is the whole transaction
-            # (one round trip instead of BEGIN, record, COMMIT).
-            applied = await store_queue.record_attempts(self.pool, results)
-        else:
-            async with self.pool.acquire() as conn, conn.transaction():
-                # A pooled connection proxies a Connection; the store takes either.
-                db = typing.cast(asyncpg.Connection, conn)
-                applied = await store_queue.record_attempts(db, results)
-                await store_bounces.bounce_and_suppress(
-                    db,
-                    results,
-                    applied,
-                    hostname=self.settings.server.hostname,
-                    suppress_for=self.settings.bounces.suppress_for,
-                )
+        applied = (
+            await store_bounces.record_attempts_and_bounce(
+                self.pool,
+                results,
+                hostname=self.settings.server.hostname,
+                suppress_for=self.settings.bounces.suppress_for,
+            )
+        ).applied
         for result in results:
             # Only outcomes that took effect: a fenced-out (stale) result is logged, not counted.
             if result.recipient_id in applied:

@@ -173,6 +173,21 @@ async def test_graceful_stop_puts_unfinished_recipients_back_in_the_queue_at_onc
         )
 
 
+async def test_a_transaction_broken_off_gives_its_connection_back_to_the_pool(
+    world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
+) -> None:
+    """A transaction cut short by something other than an SMTP error (here, the stop deadline
+    cancelling a hung one) still returns its connection: a connection kept by a dead task would
+    hold its host's only slot, and every later message to that host would wait for ever."""
+    settings = world.settings(db_url, max_connections_per_host=1)
+    await queue_many(pool, org_id, ["hang@order.test"])
+    async with running_engine(settings, pool, db_url) as engine:
+        await world.sinks.wait_for(lambda: world.sinks.rcpt_commands["hang@order.test"])
+        assert engine.connections.open_connections == 1
+        await engine.stop(asyncio.get_running_loop().time() + 3)
+        assert engine.connections.open_connections == 0
+
+
 async def test_stop_hands_back_mail_waiting_for_its_destination_without_delay(
     world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
 ) -> None:
