@@ -303,14 +303,7 @@ class DeliveryEngine:
         except DB_ERRORS as exc:
             # Without the list we cannot know who must not be mailed: hand the claim back.
             log.warning("cannot read the suppression list: %s; releasing the claim", exc)
-            ids = [r.id for d in claimed for r in d.recipients]
-            attempts = [r.attempts for d in claimed for r in d.recipients]
-            with contextlib.suppress(*DB_ERRORS):
-                await store_queue.release_leases(
-                    self.pool, ids, owner=self.owner, attempts=attempts
-                )
-            for rid in ids:
-                self._held.pop(rid, None)
+            await self._give_back([r for d in claimed for r in d.recipients])
             await self._idle(self.delivery.poll_interval)
             return []
         if suppressed:
@@ -446,18 +439,26 @@ class DeliveryEngine:
 
     async def _postpone(self, delivery: Delivery, seconds: float) -> None:
         """The destination has no room now: back to the queue until it should, unattempted."""
-        ids = [r.id for r in delivery.recipients]
-        attempts = [r.attempts for r in delivery.recipients]
         until = datetime.now(UTC) + timedelta(seconds=seconds * self._rng.uniform(1.0, 1.2))
+        await self._give_back(delivery.recipients, due_at=until)
+
+    async def _give_back(
+        self, recipients: Sequence[ClaimedRecipient], *, due_at: datetime | None = None
+    ) -> None:
+        """Release these claims unattempted, due again at once or at `due_at`, and forget them."""
         try:
             await store_queue.release_leases(
-                self.pool, ids, owner=self.owner, attempts=attempts, due_at=until
+                self.pool,
+                [r.id for r in recipients],
+                owner=self.owner,
+                attempts=[r.attempts for r in recipients],
+                due_at=due_at,
             )
         except DB_ERRORS as exc:
-            # No longer renewed, the claim runs out and the lease sweeper queues them again.
-            log.warning("could not postpone throttled recipients: %s", exc)
-        for rid in ids:
-            self._held.pop(rid, None)
+            # No longer renewed, the claims run out and the lease sweeper queues them again.
+            log.warning("could not hand back %d claimed recipient(s): %s", len(recipients), exc)
+        for r in recipients:
+            self._held.pop(r.id, None)
 
     def _judge(
         self,

@@ -5,6 +5,7 @@ engine --SMTP--> sinks (recipient local part picks the sink's behaviour, tests/p
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -223,3 +224,21 @@ async def test_a_transaction_longer_than_the_lease_keeps_its_claim(
 def outcome_rule(rule: str) -> str:
     """The engine's outcome rule; the bounce-classification rule follows after "; "."""
     return rule.split("; ")[0]
+
+
+async def test_an_unreadable_suppression_list_hands_the_claim_back_untried(
+    world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
+) -> None:
+    """Without the suppression list nobody can tell who must not be mailed: the claim goes back
+    untried (no attempt counted, nothing sent) until the list can be read, then the mail goes."""
+    await pool.execute("ALTER TABLE suppression RENAME TO suppression_away")
+    async with running_engine(world.settings(db_url), pool, db_url):
+        qid = await send(pool, org_id, "ok@order.test")
+        await asyncio.sleep(1.0)  # claimed and handed back several times (poll 0.1 s)
+        assert world.sinks.messages == []
+        assert await pool.fetchval("SELECT count(*) FROM attempt") == 0
+        assert await pool.fetchval("SELECT max(attempts) FROM recipient") <= 1
+        await pool.execute("ALTER TABLE suppression_away RENAME TO suppression")
+        assert await wait_final(pool, qid) == {"ok@order.test": "delivered"}
+    [row] = await attempts(pool, qid)
+    assert (row["outcome"], row["attempt"]) == ("delivered", 1)
