@@ -248,3 +248,40 @@ async def test_replies_split_anywhere_across_segments_are_put_together(
     assert final == {"a@order.test": "delivered", "reject@order.test": "bounced"}
     rows = {r["address"]: r for r in await attempts(pool, qid)}
     assert "help.test/550" in rows["reject@order.test"]["response"]
+
+
+async def test_a_pooled_connection_the_peer_closed_is_replaced_without_costing_an_attempt(
+    world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
+) -> None:
+    """The peer hangs up after each message, and the next message comes within the two seconds
+    in which a pooled connection is reused without an RSET probe: the dead connection is found
+    (by the pool, or at MAIL), and the message goes over a new connection in the same attempt."""
+
+    class OneMessagePerConnection(ScriptedPeer):
+        async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            real_write = writer.write
+
+            def write_then_hang_up(data: bytes) -> None:
+                real_write(data)
+                if data.startswith(b"250 2.0.0 queued"):
+                    writer.close()
+
+            writer.write = write_then_hang_up  # type: ignore[method-assign]
+            await super().handle(reader, writer)
+
+    peer = OneMessagePerConnection(per_line)
+    server = await asyncio.start_server(peer.handle, HOST, 0)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        settings = world.settings(db_url, relayhost=f"{HOST}:{port}", max_connections_per_host=1)
+        async with running_engine(settings, pool, db_url):
+            first = await send(pool, org_id, "a@order.test")
+            assert await wait_final(pool, first) == {"a@order.test": "delivered"}
+            second = await send(pool, org_id, "b@order.test")
+            assert await wait_final(pool, second) == {"b@order.test": "delivered"}
+    finally:
+        server.close()
+    [row] = await attempts(pool, second)
+    assert (row["outcome"], row["attempt"]) == ("delivered", 1)
+    assert peer.connections == 2
+    assert len(messages(peer)) == 2
