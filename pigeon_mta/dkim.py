@@ -38,6 +38,8 @@ from dkim.canonicalization import (
     strip_trailing_lines,
 )
 
+from pigeon_mta.domains import ascii_domain
+
 Algorithm = Literal["rsa", "ed25519"]
 ALGORITHMS: tuple[Algorithm, ...] = ("rsa", "ed25519")
 
@@ -148,12 +150,6 @@ def _pkcs8_pem(key: rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey) -> str:
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     ).decode("ascii")
-
-
-def ascii_domain(domain: str) -> str:
-    """The domain as it appears in DNS and in d=: lower case, no final dot, IDNA A-labels."""
-    domain = domain.strip().rstrip(".").lower()
-    return domain if domain.isascii() else domain.encode("idna").decode("ascii")
 
 
 def txt_record_value(algorithm: Algorithm, public_key: str) -> str:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pigeon_mta import dkim
+from pigeon_mta.domains import domain_spellings
 from pigeon_mta.metrics import DKIM_SIGNATURES, DKIM_UNSIGNED
 from pigeon_mta.model import Delivery
 from pigeon_mta.store import dkim_keys as store_dkim_keys
@@ -158,8 +159,8 @@ class DkimSigner:
 
     async def _fetch(self, org_id: uuid.UUID, domain: str) -> tuple[dkim.SigningKey, ...]:
         try:
-            names = sorted({domain, dkim.ascii_domain(domain)})
-        except UnicodeError:  # not a valid IDN: no sender domain can be spelled like it
+            names = domain_spellings(domain)
+        except ValueError:  # not a valid domain name: no sender domain can be spelled like it
             names = [domain]
         rows = await store_dkim_keys.active_signing_keys(self._db, org_id, names)
         new_rows = [row for row in rows if row.id not in self._loaded]

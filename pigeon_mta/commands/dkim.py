@@ -20,6 +20,7 @@ from pigeon_mta.commands.common import (
     print_object,
     print_rows,
 )
+from pigeon_mta.domains import domain_spellings
 from pigeon_mta.store import dkim_keys as store_dkim_keys
 from pigeon_mta.store.queue import Executor
 
@@ -105,7 +106,10 @@ async def cmd_list(args: argparse.Namespace) -> int:
     async with open_database(args) as (_settings, conn):
         keys = await store_dkim_keys.list_keys(conn)
     if args.domain:
-        wanted = {args.domain.strip().rstrip(".").lower(), dkim.ascii_domain(args.domain)}
+        try:
+            wanted = set(domain_spellings(args.domain))
+        except ValueError:
+            raise CliError(f"'{args.domain}' is not a valid domain name") from None
         keys = [k for k in keys if k.domain in wanted]
     rows = [_record(k) for k in keys]
     print_rows(
@@ -139,8 +143,8 @@ async def cmd_deactivate(args: argparse.Namespace) -> int:
 
 async def _sender_domain(db: Executor, name: str) -> store_dkim_keys.SenderDomain:
     try:
-        names = sorted({name.strip().rstrip(".").lower(), dkim.ascii_domain(name)})
-    except UnicodeError:
+        names = domain_spellings(name)
+    except ValueError:
         raise CliError(f"'{name}' is not a valid domain name") from None
     domain = await store_dkim_keys.find_sender_domain(db, names)
     if domain is None:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import aiosmtplib
 
+from pigeon_mta.domains import ascii_domain
 from pigeon_mta.model import ClaimedRecipient, Reply
 from pigeon_mta.outbound.classify import Stage, parse_reply
-from pigeon_mta.outbound.mx import ascii_domain
 from pigeon_mta.outbound.pool import Connected, NotConnected, SmtpConnection
 
 _BARE_LINE_END = re.compile(rb"\r(?!\n)|(?<!\r)\n")

@@ -10,7 +10,6 @@ cache. Host addresses come from A and AAAA in the configured family order.
 from __future__ import annotations
 
 import asyncio
-import functools
 import ipaddress
 import logging
 import random
@@ -31,6 +30,7 @@ from pigeon_mta.config import (
     nameserver_address,
     route_target,
 )
+from pigeon_mta.domains import ascii_domain
 from pigeon_mta.model import Reply
 
 log = logging.getLogger(__name__)
@@ -80,15 +80,6 @@ def is_ip_literal(host: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-@functools.lru_cache(maxsize=4096)
-def ascii_domain(domain: str) -> str:
-    """The domain in A-label form (IDNA); raises ValueError for a name DNS cannot carry."""
-    try:
-        return dns.name.from_text(domain.rstrip(".").lower()).to_text(omit_final_dot=True)
-    except (dns.exception.DNSException, UnicodeError) as exc:
-        raise ValueError(f"{domain!r} is not a valid domain name: {exc}") from None
 
 
 def make_resolver(settings: Settings) -> dns.asyncresolver.Resolver:

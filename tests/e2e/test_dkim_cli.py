@@ -120,6 +120,8 @@ async def test_clear_refusals(db_url: str, pool: asyncpg.Pool) -> None:
         (("keygen", "example.com", "--bits", "8192"), "1024 to 4096"),
         (("keygen", "example.com", "--selector", "bad_selector!"), "not a valid selector"),
         (("activate", "example.com", "missing"), "has no key with selector 'missing'"),
+        (("list", "--domain", "bad..example"), "'bad..example' is not a valid domain name"),
+        (("keygen", "bad..example"), "'bad..example' is not a valid domain name"),
     ):
         code, out, err = _run(db_url, "dkim", *args)
         assert code == 1 and out == "", args
