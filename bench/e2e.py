@@ -172,6 +172,16 @@ async def paced_load(port: int, rate: float, count: int, sessions: int, size: in
     await asyncio.gather(*(session(i) for i in range(sessions)))
 
 
+def stop_serve(serve: subprocess.Popen[str] | subprocess.Popen[bytes]) -> None:
+    """SIGTERM (serve drains and exits), then SIGKILL if it has not exited within a minute."""
+    serve.send_signal(signal.SIGTERM)
+    try:
+        serve.wait(60)
+    except subprocess.TimeoutExpired:
+        serve.kill()
+        serve.wait(10)
+
+
 async def delivered(conn: asyncpg.Connection) -> int:
     return int(await conn.fetchval("SELECT count(*) FROM recipient WHERE status = 'delivered'"))
 
@@ -390,11 +400,7 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
         )
     finally:
         await conn.close()
-        serve.send_signal(signal.SIGTERM)
-        try:
-            serve.wait(60)
-        except subprocess.TimeoutExpired:
-            serve.kill()
+        stop_serve(serve)
         sink.terminate()
         sink.wait(10)
         serve_log.close()

@@ -33,7 +33,14 @@ import asyncpg
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.e2e import children, free_port, message_bytes, smtp_session, with_db  # noqa: E402
+from bench.e2e import (  # noqa: E402
+    children,
+    free_port,
+    message_bytes,
+    smtp_session,
+    stop_serve,
+    with_db,
+)
 
 
 def rss_mb(pid: int) -> float:
@@ -238,11 +245,7 @@ delivery_log = "{work}/delivery.log"
         )
     finally:
         await conn.close()
-        serve.send_signal(signal.SIGTERM)
-        try:
-            serve.wait(60)
-        except subprocess.TimeoutExpired:
-            serve.kill()
+        stop_serve(serve)
         sink.terminate()
         sink.join(10)
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
