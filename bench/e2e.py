@@ -89,22 +89,69 @@ def pids_named(name: str) -> list[int]:
     return found
 
 
+def machine_cpu() -> tuple[float, float]:
+    """(busy, steal) CPU seconds of the whole machine since boot, from /proc/stat."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / TICKS, steal / TICKS
+
+
 class Cpu:
-    """CPU seconds used by groups of processes between two readings."""
+    """CPU seconds used by groups of processes between two readings, and by the whole machine.
+
+    PostgreSQL is read by process name at both ends: a backend that existed at the start counts
+    from its reading then, one started during the phase (a new pool connection) from zero."""
 
     def __init__(self, groups: dict[str, list[int]]) -> None:
         self.groups = groups
-        self.start = {g: sum(cpu_seconds(p) for p in pids) for g, pids in groups.items()}
+        self.began = time.monotonic()
+        self.start = {p: cpu_seconds(p) for pids in groups.values() for p in pids}
+        self.pg_start = {p: cpu_seconds(p) for p in pids_named("postgres")}
+        self.machine_start = machine_cpu()
 
     def used(self) -> dict[str, float]:
-        out = {}
-        for group, pids in self.groups.items():
-            total = sum(cpu_seconds(p) for p in pids) - self.start[group]
-            if group == "postgresql":
-                # Backends started during the run (new pool connections) count from zero.
-                total += sum(cpu_seconds(p) for p in pids_named("postgres") if p not in pids)
-            out[group] = total
+        out = {
+            group: sum(cpu_seconds(p) - self.start[p] for p in pids)
+            for group, pids in self.groups.items()
+        }
+        out["postgresql"] = sum(
+            cpu_seconds(p) - self.pg_start.get(p, 0.0) for p in pids_named("postgres")
+        )
         return out
+
+    def per_process(self, pids: list[int]) -> list[float]:
+        return [cpu_seconds(p) - self.start[p] for p in pids]
+
+    def machine(self) -> tuple[float, float]:
+        """(busy, steal) CPU seconds of the machine since the start of the phase."""
+        busy, steal = machine_cpu()
+        return busy - self.machine_start[0], steal - self.machine_start[1]
+
+
+def saturation(cpu: Cpu, wall: float, workers: list[int]) -> dict[str, object]:
+    """What ran out: every core of the machine, one worker's core (a single event loop), or
+    neither (then the offered load or the round trips set the pace, not the CPU)."""
+    cores = os.cpu_count() or 1
+    busy, steal = cpu.machine()
+    used = cpu.used()
+    per_worker = [round(c / wall, 2) for c in cpu.per_process(workers)]
+    machine = busy / wall
+    ranked = sorted(used.items(), key=lambda kv: kv[1], reverse=True)
+    top = ", ".join(f"{k} {v / wall:.2f}" for k, v in ranked if v / wall >= 0.05)
+    if machine >= 0.9 * cores:
+        verdict = f"CPU: {machine:.2f} of {cores} cores busy ({top} cores)"
+    elif per_worker and max(per_worker) >= 0.9:
+        verdict = f"one worker process's core ({max(per_worker):.2f}): its event loop"
+    else:
+        verdict = (
+            f"not the CPU ({machine:.2f} of {cores} cores busy): the offered load or round trips"
+        )
+    return {
+        "machine_cores_busy": round(machine, 2),
+        "machine_steal_cores": round(steal / wall, 2),
+        "worker_cores_busy": per_worker,
+        "saturated": verdict,
+    }
 
 
 def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
@@ -276,20 +323,24 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
     )
     results: dict[str, object] = {}
     conn = await asyncpg.connect(db_url)
+    fsync = await conn.fetchval("SHOW fsync")
+    sync_commit = await conn.fetchval("SHOW synchronous_commit")
     try:
         deadline = time.monotonic() + 60
         while (work / "serve.log").read_text().count("listener relay bound") < args.processes:
             if time.monotonic() > deadline or serve.poll() is not None:
                 raise SystemExit("serve did not start:\n" + (work / "serve.log").read_text())
             await asyncio.sleep(0.2)
-        workers = children(serve.pid)
-        pg = pids_named("postgres")
+        workers = [
+            p
+            for p in children(serve.pid)
+            if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()
+        ]
         # ---------------- phase 1: capacity
         cpu = Cpu(
             {
                 "pigeon supervisor": [serve.pid],
                 "pigeon workers": workers,
-                "postgresql": pg,
                 "smtp-sink": [sink.pid],
             }
         )
@@ -347,6 +398,7 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
             "wall_s": round(wall, 1),
             "cpu_s": {k: round(v, 1) for k, v in used.items()},
             "cores_busy": {k: round(v / wall, 2) for k, v in used.items()},
+            **saturation(cpu, wall, workers),
             "load_stderr": (load.stderr.read().decode()[-300:] if load.stderr else ""),
         }
         # ---------------- phase 2: latency at half rate
@@ -358,7 +410,6 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
             {
                 "pigeon supervisor": [serve.pid],
                 "pigeon workers": workers,
-                "postgresql": pg,
                 "smtp-sink": [sink.pid],
             }
         )
@@ -391,6 +442,7 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
             "p99_ms": round(row["p99"] or 0, 1),
             "max_ms": round(row["max"] or 0, 1),
             "cores_busy": {k: round(v / offered_for, 2) for k, v in used.items()},
+            **saturation(cpu, offered_for, workers),
         }
         results["peak_rss_mb"] = {
             f"pid {p}": round(peak_rss_mb(p), 1) for p in [serve.pid, *workers]
@@ -407,12 +459,15 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         await admin.close()
         shutil.rmtree(work, ignore_errors=True)
-    fsync = "on"
     print(
         f"# e2e {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {platform.node()}, {os.cpu_count()} cores, "
-        f"processes={args.processes}, dkim={args.dkim}, {args.size} B messages, {args.sessions} sessions, fsync={fsync}"
+        f"processes={args.processes}, dkim={args.dkim}, {args.size} B messages, {args.sessions} sessions, "
+        f"fsync={fsync}, synchronous_commit={sync_commit}"
     )
     print(json.dumps(results, indent=2, default=float))
+    for phase in ("phase1", "phase2"):
+        if isinstance(results.get(phase), dict):
+            print(f"{phase} saturated: {results[phase]['saturated']}")
 
 
 if __name__ == "__main__":
