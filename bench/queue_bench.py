@@ -4,6 +4,7 @@ Runs against a scratch database it creates (and drops) on the server given by --
 local PostgreSQL on 127.0.0.1:5432). Every phase is bounded in count and time.
 
     .venv/bin/python bench/queue_bench.py [--url postgresql://postgres@127.0.0.1/postgres] [--quick]
+        [--part enqueue|claim-record|large-table]
 """
 
 from __future__ import annotations
@@ -23,12 +24,17 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pigeon_mta.config import Settings
 from pigeon_mta.ids import new_id
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
 from pigeon_mta.store import queue
+from pigeon_mta.store.connect import server_settings
 from pigeon_mta.store.group_commit import GroupCommit
 from pigeon_mta.store.migrate import migrate
 from pigeon_mta.store.orgs import ensure_org
+
+# The session settings of the service's own connections (custom plans, no JIT, its timeout).
+SERVICE = server_settings(Settings())
 
 BODY = (
     b"From: bench@example.com\r\nTo: rcpt@example.net\r\nSubject: bench\r\n\r\n"
@@ -50,7 +56,7 @@ async def enqueue_rate(
     *,
     notify: bool = True,
 ) -> float:
-    conns = [await asyncpg.connect(url) for _ in range(connections)]
+    conns = [await asyncpg.connect(url, server_settings=SERVICE) for _ in range(connections)]
     per = count // connections
     deadline = time.monotonic() + seconds
 
@@ -78,7 +84,7 @@ async def group_commit_rate(
 ) -> float:
     """The submission path as it runs: `sessions` concurrent callers, each committing one message
     at a time through one process's GroupCommit on a pool of 16 connections."""
-    pool = await asyncpg.create_pool(url, min_size=16, max_size=16)
+    pool = await asyncpg.create_pool(url, min_size=16, max_size=16, server_settings=SERVICE)
     assert pool is not None
     group = GroupCommit(pool)
     per = count // sessions
@@ -147,7 +153,7 @@ async def settle(conn: asyncpg.Connection) -> None:
 async def claim_record_rate(
     url: str, workers: int, count: int, seconds: float, *, record: bool = True
 ) -> float:
-    conns = [await asyncpg.connect(url) for _ in range(workers)]
+    conns = [await asyncpg.connect(url, server_settings=SERVICE) for _ in range(workers)]
     deadline = time.monotonic() + seconds
     taken = [0] * workers
 
@@ -197,6 +203,12 @@ async def main() -> None:
         ),
     )
     parser.add_argument("--quick", action="store_true", help="smaller counts (a smoke run)")
+    parser.add_argument(
+        "--part",
+        choices=["enqueue", "claim-record", "large-table", "all"],
+        default="all",
+        help="run one part only (for A/B runs of a change)",
+    )
     args = parser.parse_args()
     scale = 0.1 if args.quick else 1.0
     name = f"pigeon_bench_{os.getpid()}"
@@ -211,7 +223,7 @@ async def main() -> None:
         fsync = await conn.fetchval("SHOW fsync")
         sync_commit = await conn.fetchval("SHOW synchronous_commit")
 
-        for notify in (True, False):
+        for notify in (True, False) if args.part in ("enqueue", "all") else ():
             for connections, target in ((1, "2,000"), (16, "6,000")):
                 rate = await enqueue_rate(
                     url, org_id, connections, int(20000 * scale), 15, notify=notify
@@ -223,49 +235,20 @@ async def main() -> None:
                         f"{rate:,.0f} msgs/s (target >= {target})",
                     )
                 )
-        rate = await group_commit_rate(url, org_id, 20, int(40000 * scale), 15)
-        results.append(
-            (
-                "enqueue 5 KB, 1 recipient, 20 sessions through GroupCommit (16 connections), "
-                "the submission path as it runs",
-                f"{rate:,.0f} msgs/s (target >= 6,000 over 16 connections)",
-            )
-        )
-        await conn.execute("TRUNCATE message, recipient, attempt CASCADE")
-
-        n = int(200_000 * scale)
-        await load_due(conn, org_id, n)
-        await conn.execute("VACUUM ANALYZE recipient")
-        for workers in (1, 4):
-            rate = await claim_record_rate(url, workers, n // 2, 20)
+        if args.part in ("enqueue", "all"):
+            rate = await group_commit_rate(url, org_id, 20, int(40000 * scale), 15)
             results.append(
                 (
-                    f"claim + record delivered, batches of 100, {workers} worker(s)",
-                    f"{rate:,.0f} recipients/s (target >= 20,000)",
+                    "enqueue 5 KB, 1 recipient, 20 sessions through GroupCommit (16 connections), "
+                    "the submission path as it runs",
+                    f"{rate:,.0f} msgs/s (target >= 6,000 over 16 connections)",
                 )
             )
-        await conn.execute("TRUNCATE message, recipient, attempt CASCADE")
-
-        # Claim alone on an empty table vs. one with 1,000,000 finished and 100,000 not-due rows.
-        due = int(100_000 * scale)
-        await load_due(conn, org_id, due)
-        await settle(conn)
-        empty_rate = await claim_record_rate(url, 1, due, 20, record=False)
-        await conn.execute("TRUNCATE message, recipient, attempt CASCADE")
-        await load_due(conn, org_id, int(1_000_000 * scale), status="delivered")
-        await load_due(conn, org_id, int(100_000 * scale), due_in=86400)
-        await load_due(conn, org_id, due)
-        await settle(conn)
-        full_rate = await claim_record_rate(url, 1, due, 20, record=False)
-        results.append(
-            ("claim only, batches of 100, empty table", f"{empty_rate:,.0f} recipients/s")
-        )
-        results.append(
-            (
-                "claim only, with 1M finished + 100k not-due rows",
-                f"{full_rate:,.0f} recipients/s ({full_rate / empty_rate:.0%} of empty; target >= 90%)",
-            )
-        )
+            await conn.execute("TRUNCATE message, recipient, attempt CASCADE")
+        if args.part in ("claim-record", "all"):
+            await claim_record_part(conn, url, org_id, scale, results)
+        if args.part in ("large-table", "all"):
+            await large_table_part(conn, url, org_id, scale, results)
         await conn.close()
     finally:
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
@@ -277,6 +260,54 @@ async def main() -> None:
     )
     for what, figure in results:
         print(f"| {what} | {figure} |")
+
+
+async def claim_record_part(
+    conn: asyncpg.Connection,
+    url: str,
+    org_id: uuid.UUID,
+    scale: float,
+    results: list[tuple[str, str]],
+) -> None:
+    n = int(200_000 * scale)
+    await load_due(conn, org_id, n)
+    await conn.execute("VACUUM ANALYZE recipient")
+    for workers in (1, 4):
+        rate = await claim_record_rate(url, workers, n // 2, 20)
+        results.append(
+            (
+                f"claim + record delivered, batches of 100, {workers} worker(s)",
+                f"{rate:,.0f} recipients/s (target >= 20,000)",
+            )
+        )
+    await conn.execute("TRUNCATE message, recipient, attempt CASCADE")
+
+
+async def large_table_part(
+    conn: asyncpg.Connection,
+    url: str,
+    org_id: uuid.UUID,
+    scale: float,
+    results: list[tuple[str, str]],
+) -> None:
+    # Claim alone on an empty table vs. one with 1,000,000 finished and 100,000 not-due rows.
+    due = int(100_000 * scale)
+    await load_due(conn, org_id, due)
+    await settle(conn)
+    empty_rate = await claim_record_rate(url, 1, due, 20, record=False)
+    await conn.execute("TRUNCATE message, recipient, attempt CASCADE")
+    await load_due(conn, org_id, int(1_000_000 * scale), status="delivered")
+    await load_due(conn, org_id, int(100_000 * scale), due_in=86400)
+    await load_due(conn, org_id, due)
+    await settle(conn)
+    full_rate = await claim_record_rate(url, 1, due, 20, record=False)
+    results.append(("claim only, batches of 100, empty table", f"{empty_rate:,.0f} recipients/s"))
+    results.append(
+        (
+            "claim only, with 1M finished + 100k not-due rows",
+            f"{full_rate:,.0f} recipients/s ({full_rate / empty_rate:.0%} of empty; target >= 90%)",
+        )
+    )
 
 
 if __name__ == "__main__":

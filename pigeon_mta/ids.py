@@ -9,18 +9,25 @@ import uuid
 
 def new_id() -> uuid.UUID:
     """A UUIDv7: 48 bits of Unix milliseconds, version 7, 74 random bits, RFC 4122 variant."""
+    return _uuid7(time.time_ns() // 1_000_000, int.from_bytes(os.urandom(10), "big"))
+
+
+def new_ids(count: int) -> list[uuid.UUID]:
+    """`count` UUIDv7s of the same millisecond, from one read of the random source."""
     millis = time.time_ns() // 1_000_000
-    rand = int.from_bytes(os.urandom(10), "big")
+    pool = os.urandom(10 * count)
+    return [
+        _uuid7(millis, int.from_bytes(pool[i : i + 10], "big")) for i in range(0, 10 * count, 10)
+    ]
+
+
+def _uuid7(millis: int, rand: int) -> uuid.UUID:
     value = (millis & 0xFFFF_FFFF_FFFF) << 80
     value |= 0x7 << 76
     value |= ((rand >> 62) & 0xFFF) << 64
     value |= 0b10 << 62
     value |= rand & 0x3FFF_FFFF_FFFF_FFFF
     return uuid.UUID(int=value)
-
-
-def new_ids(count: int) -> list[uuid.UUID]:
-    return [new_id() for _ in range(count)]
 
 
 def id_time(value: uuid.UUID) -> float:

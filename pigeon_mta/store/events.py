@@ -3,7 +3,7 @@
 The message row is the Reception event and each attempt row is a later event, so the delivery
 log can always be rebuilt from here. These are admin reads across orgs (an operator asks "where
 is message X"), served by indexes: the primary keys, message_header_id, recipient_address,
-recipient_message, attempt_message and attempt_recipient.
+recipient_message and attempt_recipient.
 """
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ _ATTEMPTS = """
 SELECT id, recipient_id, message_id, attempt, started_at, duration_ms, mx_host, ip, port,
        tls_version, tls_cipher, code, enhanced_code, response, outcome, category,
        next_attempt_at, applied
-FROM attempt WHERE message_id = ANY ($1::uuid[])
+FROM attempt
+WHERE recipient_id IN (SELECT id FROM recipient WHERE message_id = ANY ($1::uuid[]))
 ORDER BY started_at, attempt, recorded_at, id
 """
 
