@@ -117,6 +117,20 @@ async def test_claim_groups_by_message_and_domain(pool: asyncpg.Pool, org_id: uu
     assert await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=100) == []
 
 
+async def test_claim_hands_out_messages_in_the_order_they_were_received(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    ids = [
+        await queue.enqueue(pool, envelope(org_id, f"r{i}@one.example", f"s{i}@two.example"))
+        for i in range(5)
+    ]
+    deliveries = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=100)
+    assert [d.message_id for d in deliveries if d.domain == "one.example"] == ids
+    assert [d.message_id for d in deliveries if d.domain == "two.example"] == ids
+    # Each delivery carries its message's body, though the claim sent each body once.
+    assert all(d.body.startswith(b"Subject: hi") for d in deliveries)
+
+
 async def test_claim_skips_rows_not_yet_due(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
     await bulk_queue(pool, org_id, messages=5, due_in=3600)
     await bulk_queue(pool, org_id, messages=3)
