@@ -1,0 +1,292 @@
+"""The reference point of issue 9, measured on this host: Postfix relaying the e2e load to a sink.
+
+    smtp-source (20 sessions, 5 KB) --SMTP--> a private Postfix instance (its own config, seen as
+        /etc/postfix in a mount namespace, and queue directory, both temporary; 127.0.0.1 only) --SMTP (relayhost)--> smtp-sink
+
+The issue's targets are multiples of Postfix's figure on "this machine kind" (about 670 msgs/s
+end to end without DKIM); hosts of the kind differ by a factor of three (bench/README.md), so a
+figure of pigeon-mta means something only beside Postfix's on the same host in the same sitting.
+Postfix runs with its stock settings except for what relaying here needs (relayhost, mynetworks,
+no TLS, no chroot, its own queue directory); its queue files are fsynced as always. Reported: the
+accept rate (until smtp-source finished) and the end-to-end rate (until the queue was empty),
+and CPU per component. Needs postfix (`apt-get install postfix`) and root (Postfix starts as root
+and drops to its mail_owner). Bounded: --messages, and --timeout for the whole run. The instance
+is stopped (`postfix stop`) and its directory removed at the end.
+
+    .venv/bin/python bench/postfix_reference.py [--messages 20000] [--dkim rsa|none] [--dump]
+
+With --dkim rsa, OpenDKIM (`apt-get install opendkim`) signs as a milter with a new RSA-2048 key,
+relaxed/relaxed, its configuration in a private directory under /run (it refuses one under /tmp).
+--dump keeps the sink's copies and counts the ones that carry a DKIM-Signature (for a small run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from e2e import cpu_seconds, free_port, machine_cpu, pids_named
+
+
+def tool(name: str) -> str:
+    found = shutil.which(name) or (
+        f"/usr/sbin/{name}" if Path(f"/usr/sbin/{name}").exists() else None
+    )
+    if found is None:
+        sys.exit(f"{name} is missing: apt-get install postfix")
+    return found
+
+
+def run_postfix(postfix: str, conf: Path, command: str, *, check: bool = True) -> None:
+    """`postfix COMMAND` as the default instance of a private mount namespace whose /etc/postfix
+    is `conf`: Postfix refuses `-c DIR` for a directory the host's own main.cf does not list, and
+    this leaves the host's configuration alone. The master it starts stays in that namespace."""
+    subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            f'mount --bind "{conf}" /etc/postfix && exec "{postfix}" {command}',
+        ],
+        check=check,
+        timeout=60,
+    )
+
+
+def queued_files(spool: Path) -> int:
+    """Messages still in Postfix's queue: files under incoming, active, deferred, hold, maildrop."""
+    return sum(
+        1
+        for sub in ("maildrop", "incoming", "active", "deferred", "hold")
+        for _root, _dirs, files in os.walk(spool / sub)
+        for _f in files
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--messages", type=int, default=20000)
+    parser.add_argument("--sessions", type=int, default=20)
+    parser.add_argument("--size", type=int, default=5120)
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument(
+        "--dkim",
+        choices=["rsa", "none"],
+        default="none",
+        help="rsa: sign with OpenDKIM as a milter (RSA-2048), the reference of issue 9's DKIM target",
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the instance's directory")
+    parser.add_argument(
+        "--dump", action="store_true", help="keep the sink's messages (for a check of a small run)"
+    )
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("Postfix's master starts as root: run this as root")
+    postfix, source, sink_cmd = tool("postfix"), tool("smtp-source"), tool("smtp-sink")
+
+    work = Path(tempfile.mkdtemp(prefix="pigeon-postfix-ref-"))
+    work.chmod(0o755)  # Postfix's daemons run as its mail_owner and must reach their directories
+    conf, spool, data = work / "etc", work / "spool", work / "data"
+    shutil.copytree("/etc/postfix", conf)  # postfix-files, dynamicmaps.cf, ...; main.cf below
+    spool.mkdir()
+    data.mkdir()
+    shutil.chown(data, "postfix", "postfix")
+    smtp_port, sink_port, milter_port = free_port(), free_port(), free_port()
+    milter = ""
+    opendkim = None
+    if args.dkim == "rsa":
+        # OpenDKIM refuses a configuration or key under a directory others may write (/tmp).
+        secure = Path(tempfile.mkdtemp(prefix="pigeon-postfix-ref-", dir="/run"))
+        secure.chmod(0o755)
+        keys = secure / "keys"
+        keys.mkdir()
+        subprocess.run(
+            [
+                tool("opendkim-genkey"),
+                "-b",
+                "2048",
+                "-d",
+                "bench.test",
+                "-s",
+                "b1",
+                "-D",
+                str(keys),
+            ],
+            check=True,
+            timeout=60,
+        )
+        shutil.chown(keys / "b1.private", "opendkim", "opendkim")
+        (secure / "opendkim.conf").write_text(
+            f"""Mode s
+Domain bench.test
+Selector b1
+KeyFile {keys / "b1.private"}
+Canonicalization relaxed/relaxed
+Socket inet:{milter_port}@127.0.0.1
+UserID opendkim
+Syslog no
+PidFile {secure / "opendkim.pid"}
+"""
+        )
+        opendkim = subprocess.Popen([tool("opendkim"), "-f", "-x", str(secure / "opendkim.conf")])
+        deadline = time.monotonic() + 15
+        while True:  # the milter must listen before Postfix takes mail (else: 451 tempfail)
+            try:
+                socket.create_connection(("127.0.0.1", milter_port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or opendkim.poll() is not None:
+                    sys.exit("opendkim did not start")
+                time.sleep(0.1)
+        milter = f"smtpd_milters = inet:127.0.0.1:{milter_port}\nmilter_default_action = tempfail\n"
+    (conf / "main.cf").write_text(
+        f"""compatibility_level = 3.6
+queue_directory = {spool}
+data_directory = {data}
+myhostname = bench.test
+mydestination =
+inet_interfaces = 127.0.0.1
+inet_protocols = ipv4
+mynetworks = 127.0.0.0/8
+relayhost = [127.0.0.2]:{sink_port}
+smtpd_tls_security_level = none
+smtp_tls_security_level = none
+smtpd_relay_restrictions = permit_mynetworks, reject
+maillog_file = {work}/maillog
+maillog_file_prefixes = {work}
+alias_maps =
+alias_database =
+{milter}"""
+    )
+    # The SMTP listener on a free loopback port; no chroot (the queue is not under /var/spool).
+    master = (conf / "master.cf").read_text().splitlines()
+    rewritten = []
+    for line in master:
+        if re.match(r"^smtp\s+inet\s", line):
+            line = re.sub(r"^smtp\s+inet", f"127.0.0.1:{smtp_port} inet", line)
+        fields = line.split()
+        if len(fields) >= 8 and not line.startswith((" ", "\t", "#")) and fields[4] == "y":
+            fields[4] = "n"
+            line = "  ".join(fields)
+        rewritten.append(line)
+    (conf / "master.cf").write_text("\n".join(rewritten) + "\n")
+
+    dump = ["-d", f"{work}/sink/%M."] if args.dump else []
+    if args.dump:
+        (work / "sink").mkdir()
+        shutil.chown(work / "sink", "nobody")
+    sink = subprocess.Popen(
+        [sink_cmd, "-u", "nobody", *dump, f"127.0.0.2:{sink_port}", "1000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    results: dict[str, object] = {}
+    try:
+        run_postfix(postfix, conf, "check")
+        run_postfix(postfix, conf, "start")
+        time.sleep(1)
+        before = {p: cpu_seconds(p) for p in pids_named("master")}
+        dkim_before = cpu_seconds(opendkim.pid) if opendkim is not None else 0.0
+        machine_start = machine_cpu()
+        began = time.monotonic()
+        load = subprocess.Popen(
+            [
+                source,
+                "-d",
+                "-s",
+                str(args.sessions),
+                "-l",
+                str(args.size),
+                "-m",
+                str(args.messages),
+                "-f",
+                "sender@bench.test",
+                "-t",
+                "rcpt@sink.test",
+                f"127.0.0.1:{smtp_port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        accepted_at = None
+        postfix_cpu: dict[int, float] = {}
+        while time.monotonic() - began < args.timeout:
+            time.sleep(0.25)
+            # Postfix's processes come and go (max_idle); keep the last reading of each.
+            for name in ("smtpd", "cleanup", "qmgr", "smtp", "trivial-rewrite", "master"):
+                for pid in pids_named(name):
+                    postfix_cpu[pid] = cpu_seconds(pid) - before.get(pid, 0.0)
+            if accepted_at is None and load.poll() is not None:
+                accepted_at = time.monotonic()
+            if accepted_at is not None and queued_files(spool) == 0:
+                break
+        finished = time.monotonic()
+        wall = finished - began
+        busy = machine_cpu()[0] - machine_start[0]
+        log = (work / "maillog").read_text(errors="replace") if (work / "maillog").exists() else ""
+        sent = log.count("status=sent")
+        results = {
+            "postfix": subprocess.run(
+                ["postconf", "-c", str(conf), "-h", "mail_version"],
+                capture_output=True,
+                text=True,
+                check=False,
+            ).stdout.strip(),
+            "messages_offered": args.messages,
+            "delivered (status=sent in its log)": sent,
+            "left in its queue": queued_files(spool),
+            "accept_rate": round(args.messages / ((accepted_at or finished) - began), 1),
+            "e2e_rate": round(sent / wall, 1),
+            "wall_s": round(wall, 1),
+            "postfix_cores_busy": round(sum(postfix_cpu.values()) / wall, 2),
+            "machine_cores_busy": round(busy / wall, 2),
+            "load_stderr": load.stderr.read().decode()[-300:] if load.stderr else "",
+        }
+        if opendkim is not None:
+            results["opendkim_cores_busy"] = round(
+                (cpu_seconds(opendkim.pid) - dkim_before) / wall, 2
+            )
+        if args.dump:
+            dumped = [f.read_bytes() for f in (work / "sink").rglob("*") if f.is_file()]
+            results["sink_messages_with_DKIM-Signature"] = sum(
+                b"DKIM-Signature: v=1" in m for m in dumped
+            )
+            results["sink_messages"] = len(dumped)
+    finally:
+        run_postfix(postfix, conf, "stop", check=False)
+        sink.terminate()
+        sink.wait(10)
+        if opendkim is not None:
+            opendkim.terminate()
+            opendkim.wait(10)
+            shutil.rmtree(secure, ignore_errors=True)
+        time.sleep(1)
+        if args.keep:
+            print(f"kept {work} (its maillog says what Postfix did)", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    print(
+        f"# postfix_reference {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, "
+        f"{platform.node()}, {os.cpu_count()} cores, dkim={args.dkim}, {args.size} B messages, "
+        f"{args.sessions} sessions"
+    )
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
