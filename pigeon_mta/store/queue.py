@@ -150,7 +150,7 @@ async def claim_due_recipients(
     db: Executor, *, owner: str, lease: float, batch: int
 ) -> list[Delivery]:
     """Claim up to `batch` due recipients, grouped into one Delivery per (message, domain), in
-    the order the messages were received, each one's recipients in address order."""
+    the order the messages were received, each one's recipients in address (code point) order."""
     rows = await db.fetch(_CLAIM, float(lease), owner, batch)
     bodies: dict[uuid.UUID, bytes] = {}
     groups: dict[tuple[uuid.UUID, str], list[asyncpg.Record]] = {}
@@ -177,7 +177,7 @@ async def claim_due_recipients(
                 ),
             )
         )
-    deliveries.sort(key=lambda d: d.received_at)
+    deliveries.sort(key=lambda d: (d.received_at, d.message_id))
     return deliveries
 
 
@@ -207,7 +207,7 @@ WITH v AS (
         updated_at = now()
     FROM v
     WHERE r.id = v.recipient_id AND r.status = 'delivering' AND r.attempts = v.attempt
-    RETURNING r.id
+    RETURNING r.id, r.attempts
 ), a AS (
     INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, duration_ms,
                          mx_host, ip, port, tls_version, tls_cipher, code, enhanced_code, response,
@@ -216,11 +216,13 @@ WITH v AS (
            v.duration * 1000, v.mx_host, v.ip, v.port, v.tls_version, v.tls_cipher, v.code,
            v.enhanced_code, v.response, v.outcome, v.category, v.rule, v.next_attempt_at,
            u.id IS NOT NULL
-    FROM v LEFT JOIN u ON u.id = v.recipient_id
-    RETURNING recipient_id, applied
+    -- By claim, not by row: a stale outcome of a recipient that a newer claim in the same batch
+    -- moved is still not applied.
+    FROM v LEFT JOIN u ON u.id = v.recipient_id AND u.attempts = v.attempt
+    RETURNING recipient_id, attempt, applied
 )
 -- Only the exceptions travel back (normally none): one row per outcome was 100 rows to decode.
-SELECT recipient_id FROM a WHERE NOT applied
+SELECT recipient_id, attempt FROM a WHERE NOT applied
 """
 
 
@@ -235,8 +237,11 @@ async def record_attempts(db: Executor, results: Sequence[AttemptResult]) -> set
     for result in results:
         if result.outcome == Outcome.DEFERRED and result.next_attempt_at is None:
             raise ValueError("a deferred outcome needs next_attempt_at")
-    not_applied = await db.fetch(_RECORD, *_record_arguments(results))
-    return {r.recipient_id for r in results} - {row["recipient_id"] for row in not_applied}
+    not_applied = {
+        (row["recipient_id"], row["attempt"])
+        for row in await db.fetch(_RECORD, *_record_arguments(results))
+    }
+    return {r.recipient_id for r in results if (r.recipient_id, r.attempt) not in not_applied}
 
 
 def _record_arguments(results: Sequence[AttemptResult]) -> list[Sequence[object]]:

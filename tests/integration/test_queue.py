@@ -256,6 +256,32 @@ async def test_a_stale_claim_cannot_overwrite_a_newer_one(
     assert [(r["outcome"], r["applied"]) for r in log] == [("bounced", False), ("delivered", True)]
 
 
+async def test_stale_and_current_outcome_of_one_recipient_in_one_batch(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """Both outcomes are logged; only the current claim's is applied, and the recipient counts as
+    moved (the engine must not hand it back)."""
+    await bulk_queue(pool, org_id, messages=1)
+    old = await queue.claim_due_recipients(pool, owner="slow-node", lease=1, batch=1)
+    await asyncio.sleep(1.2)
+    await queue.requeue_expired_leases(pool)
+    new = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=1)
+    rid = new[0].recipients[0].id
+    batch = [*results_for(old, Outcome.BOUNCED, code=550), *results_for(new, Outcome.DELIVERED)]
+    assert await queue.record_attempts(pool, batch) == {rid}
+    assert await pool.fetchval("SELECT status FROM recipient") == "delivered"
+    log = await pool.fetch(  # code IS NULL: the sweeper's row for the lease that ran out
+        "SELECT attempt, outcome, applied FROM attempt WHERE code IS NOT NULL ORDER BY attempt"
+    )
+    assert [(r["attempt"], r["outcome"], r["applied"]) for r in log] == [
+        (1, "bounced", False),
+        (2, "delivered", True),
+    ]
+    # An outcome for a recipient that does not exist is logged, not applied.
+    ghost = AttemptResult(**{**vars(batch[1]), "recipient_id": uuid.uuid4()})
+    assert await queue.record_attempts(pool, [ghost]) == set()
+
+
 async def test_renew_and_release(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
     await bulk_queue(pool, org_id, messages=2)
     deliveries = await queue.claim_due_recipients(pool, owner=OWNER, lease=5, batch=10)
