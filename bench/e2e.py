@@ -90,10 +90,11 @@ def pids_named(name: str) -> list[int]:
 
 
 def machine_cpu() -> tuple[float, float]:
-    """(busy, steal) CPU seconds of the whole machine since boot, from /proc/stat."""
+    """(busy, steal) CPU seconds of the whole machine since boot, from /proc/stat: busy is what
+    ran here, steal what the host gave to others while this VM wanted to run."""
     fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
-    return (user + nice + system + irq + softirq + steal) / TICKS, steal / TICKS
+    return (user + nice + system + irq + softirq) / TICKS, steal / TICKS
 
 
 class Cpu:
@@ -128,18 +129,21 @@ class Cpu:
         return busy - self.machine_start[0], steal - self.machine_start[1]
 
 
-def saturation(cpu: Cpu, wall: float, workers: list[int]) -> dict[str, object]:
+def saturation(
+    cpu: Cpu, wall: float, workers: list[int], used: dict[str, float]
+) -> dict[str, object]:
     """What ran out: every core of the machine, one worker's core (a single event loop), or
-    neither (then the offered load or the round trips set the pace, not the CPU)."""
+    neither (then the offered load or the round trips set the pace, not the CPU). `used` is the
+    reading the caller took at the end of the interval `wall`."""
     cores = os.cpu_count() or 1
     busy, steal = cpu.machine()
-    used = cpu.used()
     per_worker = [round(c / wall, 2) for c in cpu.per_process(workers)]
     machine = busy / wall
     ranked = sorted(used.items(), key=lambda kv: kv[1], reverse=True)
     top = ", ".join(f"{k} {v / wall:.2f}" for k, v in ranked if v / wall >= 0.05)
-    if machine >= 0.9 * cores:
-        verdict = f"CPU: {machine:.2f} of {cores} cores busy ({top} cores)"
+    stolen = f", {steal / wall:.2f} taken by the host" if steal / wall >= 0.05 else ""
+    if (busy + steal) / wall >= 0.9 * cores:
+        verdict = f"CPU: {machine:.2f} of {cores} cores busy{stolen} ({top} cores)"
     elif per_worker and max(per_worker) >= 0.9:
         verdict = f"one worker process's core ({max(per_worker):.2f}): its event loop"
     else:
@@ -398,7 +402,7 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
             "wall_s": round(wall, 1),
             "cpu_s": {k: round(v, 1) for k, v in used.items()},
             "cores_busy": {k: round(v / wall, 2) for k, v in used.items()},
-            **saturation(cpu, wall, workers),
+            **saturation(cpu, wall, workers, used),
             "load_stderr": (load.stderr.read().decode()[-300:] if load.stderr else ""),
         }
         # ---------------- phase 2: latency at half rate
@@ -424,6 +428,7 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
         while await delivered(conn) < target and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         used = cpu.used()
+        measured = time.monotonic() - began  # the offered load and the drain after it
         row = await conn.fetchrow(
             """SELECT count(*) AS n,
                       percentile_cont(0.5) WITHIN GROUP (ORDER BY lat) * 1000 AS p50,
@@ -441,8 +446,8 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
             "p50_ms": round(row["p50"] or 0, 1),
             "p99_ms": round(row["p99"] or 0, 1),
             "max_ms": round(row["max"] or 0, 1),
-            "cores_busy": {k: round(v / offered_for, 2) for k, v in used.items()},
-            **saturation(cpu, offered_for, workers),
+            "cores_busy": {k: round(v / measured, 2) for k, v in used.items()},
+            **saturation(cpu, measured, workers, used),
         }
         results["peak_rss_mb"] = {
             f"pid {p}": round(peak_rss_mb(p), 1) for p in [serve.pid, *workers]

@@ -33,19 +33,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e import cpu_seconds, free_port, machine_cpu, pids_named
+from e2e import children, cpu_seconds, free_port, machine_cpu
 
 
-def tool(name: str) -> str:
+def tool(name: str, package: str = "postfix") -> str:
     found = shutil.which(name) or (
         f"/usr/sbin/{name}" if Path(f"/usr/sbin/{name}").exists() else None
     )
     if found is None:
-        sys.exit(f"{name} is missing: apt-get install postfix")
+        sys.exit(f"{name} is missing: apt-get install {package}")
     return found
 
 
@@ -78,12 +79,44 @@ def queued_files(spool: Path) -> int:
     )
 
 
+def descendants(pid: int) -> list[int]:
+    """pid and every process below it (this instance's master and its daemons, not the host's)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(children(p))
+    return found
+
+
+def wait_for_port(port: int, seconds: float, alive: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline or not alive():
+                raise SystemExit(f"nothing listens on 127.0.0.1:{port}") from None
+            time.sleep(0.1)
+
+
+def stop(process: subprocess.Popen[bytes] | None) -> None:
+    if process is not None and process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--messages", type=int, default=20000)
     parser.add_argument("--sessions", type=int, default=20)
     parser.add_argument("--size", type=int, default=5120)
-    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--timeout", type=float, default=600, help="the run gives up after this")
     parser.add_argument(
         "--dkim",
         choices=["rsa", "none"],
@@ -98,41 +131,41 @@ def main() -> None:
     if os.geteuid() != 0:
         sys.exit("Postfix's master starts as root: run this as root")
     postfix, source, sink_cmd = tool("postfix"), tool("smtp-source"), tool("smtp-sink")
+    postconf = tool("postconf")
+    opendkim_cmd = tool("opendkim", "opendkim") if args.dkim == "rsa" else ""
+    genkey = tool("opendkim-genkey", "opendkim-tools") if args.dkim == "rsa" else ""
+    load_command = [
+        *(source, "-d", "-s", str(args.sessions), "-l", str(args.size), "-m", str(args.messages)),
+        *("-f", "sender@bench.test", "-t", "rcpt@sink.test"),
+    ]
 
     work = Path(tempfile.mkdtemp(prefix="pigeon-postfix-ref-"))
-    work.chmod(0o755)  # Postfix's daemons run as its mail_owner and must reach their directories
-    conf, spool, data = work / "etc", work / "spool", work / "data"
-    shutil.copytree("/etc/postfix", conf)  # postfix-files, dynamicmaps.cf, ...; main.cf below
-    spool.mkdir()
-    data.mkdir()
-    shutil.chown(data, "postfix", "postfix")
-    smtp_port, sink_port, milter_port = free_port(), free_port(), free_port()
-    milter = ""
-    opendkim = None
-    if args.dkim == "rsa":
-        # OpenDKIM refuses a configuration or key under a directory others may write (/tmp).
-        secure = Path(tempfile.mkdtemp(prefix="pigeon-postfix-ref-", dir="/run"))
-        secure.chmod(0o755)
-        keys = secure / "keys"
-        keys.mkdir()
-        subprocess.run(
-            [
-                tool("opendkim-genkey"),
-                "-b",
-                "2048",
-                "-d",
-                "bench.test",
-                "-s",
-                "b1",
-                "-D",
-                str(keys),
-            ],
-            check=True,
-            timeout=60,
-        )
-        shutil.chown(keys / "b1.private", "opendkim", "opendkim")
-        (secure / "opendkim.conf").write_text(
-            f"""Mode s
+    secure: Path | None = None
+    sink = opendkim = load = None
+    results: dict[str, object] = {}
+    try:
+        work.chmod(0o755)  # Postfix's daemons run as its mail_owner and must reach their dirs
+        conf, spool, data = work / "etc", work / "spool", work / "data"
+        shutil.copytree("/etc/postfix", conf)  # postfix-files, dynamicmaps.cf, ...; main.cf below
+        spool.mkdir()
+        data.mkdir()
+        shutil.chown(data, "postfix", "postfix")
+        smtp_port, sink_port, milter_port = free_port(), free_port(), free_port()
+        milter = ""
+        if args.dkim == "rsa":
+            # OpenDKIM refuses a configuration or key under a directory others may write (/tmp).
+            secure = Path(tempfile.mkdtemp(prefix="pigeon-postfix-ref-", dir="/run"))
+            secure.chmod(0o755)
+            keys = secure / "keys"
+            keys.mkdir()
+            subprocess.run(
+                [genkey, "-b", "2048", "-d", "bench.test", "-s", "b1", "-D", str(keys)],
+                check=True,
+                timeout=60,
+            )
+            shutil.chown(keys / "b1.private", "opendkim", "opendkim")
+            (secure / "opendkim.conf").write_text(
+                f"""Mode s
 Domain bench.test
 Selector b1
 KeyFile {keys / "b1.private"}
@@ -142,20 +175,15 @@ UserID opendkim
 Syslog no
 PidFile {secure / "opendkim.pid"}
 """
-        )
-        opendkim = subprocess.Popen([tool("opendkim"), "-f", "-x", str(secure / "opendkim.conf")])
-        deadline = time.monotonic() + 15
-        while True:  # the milter must listen before Postfix takes mail (else: 451 tempfail)
-            try:
-                socket.create_connection(("127.0.0.1", milter_port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or opendkim.poll() is not None:
-                    sys.exit("opendkim did not start")
-                time.sleep(0.1)
-        milter = f"smtpd_milters = inet:127.0.0.1:{milter_port}\nmilter_default_action = tempfail\n"
-    (conf / "main.cf").write_text(
-        f"""compatibility_level = 3.6
+            )
+            opendkim = subprocess.Popen([opendkim_cmd, "-f", "-x", str(secure / "opendkim.conf")])
+            # The milter must listen before Postfix takes mail (else: 451 tempfail).
+            wait_for_port(milter_port, 15, lambda: opendkim is not None and opendkim.poll() is None)
+            milter = (
+                f"smtpd_milters = inet:127.0.0.1:{milter_port}\nmilter_default_action = tempfail\n"
+            )
+        (conf / "main.cf").write_text(
+            f"""compatibility_level = 3.6
 queue_directory = {spool}
 data_directory = {data}
 myhostname = bench.test
@@ -172,65 +200,49 @@ maillog_file_prefixes = {work}
 alias_maps =
 alias_database =
 {milter}"""
-    )
-    # The SMTP listener on a free loopback port; no chroot (the queue is not under /var/spool).
-    master = (conf / "master.cf").read_text().splitlines()
-    rewritten = []
-    for line in master:
-        if re.match(r"^smtp\s+inet\s", line):
-            line = re.sub(r"^smtp\s+inet", f"127.0.0.1:{smtp_port} inet", line)
-        fields = line.split()
-        if len(fields) >= 8 and not line.startswith((" ", "\t", "#")) and fields[4] == "y":
-            fields[4] = "n"
-            line = "  ".join(fields)
-        rewritten.append(line)
-    (conf / "master.cf").write_text("\n".join(rewritten) + "\n")
+        )
+        # The SMTP listener on a free loopback port; no chroot (the queue is not under /var/spool).
+        rewritten = []
+        for line in (conf / "master.cf").read_text().splitlines():
+            if re.match(r"^smtp\s+inet\s", line):
+                line = re.sub(r"^smtp\s+inet", f"127.0.0.1:{smtp_port} inet", line)
+            fields = line.split()
+            if len(fields) >= 8 and not line.startswith((" ", "\t", "#")) and fields[4] == "y":
+                fields[4] = "n"
+                line = "  ".join(fields)
+            rewritten.append(line)
+        (conf / "master.cf").write_text("\n".join(rewritten) + "\n")
 
-    dump = ["-d", f"{work}/sink/%M."] if args.dump else []
-    if args.dump:
-        (work / "sink").mkdir()
-        shutil.chown(work / "sink", "nobody")
-    sink = subprocess.Popen(
-        [sink_cmd, "-u", "nobody", *dump, f"127.0.0.2:{sink_port}", "1000"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    results: dict[str, object] = {}
-    try:
+        dump = ["-d", f"{work}/sink/%M."] if args.dump else []
+        if args.dump:
+            (work / "sink").mkdir()
+            shutil.chown(work / "sink", "nobody")
+        sink = subprocess.Popen(
+            [sink_cmd, "-u", "nobody", *dump, f"127.0.0.2:{sink_port}", "1000"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         run_postfix(postfix, conf, "check")
         run_postfix(postfix, conf, "start")
-        time.sleep(1)
-        before = {p: cpu_seconds(p) for p in pids_named("master")}
+        master = int((spool / "pid" / "master.pid").read_text().split()[0])
+        wait_for_port(smtp_port, 15, lambda: Path(f"/proc/{master}").exists())
+        before = {p: cpu_seconds(p) for p in descendants(master)}
         dkim_before = cpu_seconds(opendkim.pid) if opendkim is not None else 0.0
         machine_start = machine_cpu()
         began = time.monotonic()
+        load_log = open(work / "smtp-source.err", "wb")
         load = subprocess.Popen(
-            [
-                source,
-                "-d",
-                "-s",
-                str(args.sessions),
-                "-l",
-                str(args.size),
-                "-m",
-                str(args.messages),
-                "-f",
-                "sender@bench.test",
-                "-t",
-                "rcpt@sink.test",
-                f"127.0.0.1:{smtp_port}",
-            ],
+            [*load_command, f"127.0.0.1:{smtp_port}"],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=load_log,
         )
         accepted_at = None
         postfix_cpu: dict[int, float] = {}
         while time.monotonic() - began < args.timeout:
             time.sleep(0.25)
-            # Postfix's processes come and go (max_idle); keep the last reading of each.
-            for name in ("smtpd", "cleanup", "qmgr", "smtp", "trivial-rewrite", "master"):
-                for pid in pids_named(name):
-                    postfix_cpu[pid] = cpu_seconds(pid) - before.get(pid, 0.0)
+            # Postfix's daemons come and go (max_idle); keep the last reading of each.
+            for pid in descendants(master):
+                postfix_cpu[pid] = cpu_seconds(pid) - before.get(pid, 0.0)
             if accepted_at is None and load.poll() is not None:
                 accepted_at = time.monotonic()
             if accepted_at is not None and queued_files(spool) == 0:
@@ -238,11 +250,13 @@ alias_database =
         finished = time.monotonic()
         wall = finished - began
         busy = machine_cpu()[0] - machine_start[0]
+        stop(load)
+        load_log.close()
         log = (work / "maillog").read_text(errors="replace") if (work / "maillog").exists() else ""
         sent = log.count("status=sent")
         results = {
             "postfix": subprocess.run(
-                ["postconf", "-c", str(conf), "-h", "mail_version"],
+                [postconf, "-c", str(conf), "-h", "mail_version"],
                 capture_output=True,
                 text=True,
                 check=False,
@@ -253,9 +267,10 @@ alias_database =
             "accept_rate": round(args.messages / ((accepted_at or finished) - began), 1),
             "e2e_rate": round(sent / wall, 1),
             "wall_s": round(wall, 1),
+            "timed_out": accepted_at is None or queued_files(spool) > 0,
             "postfix_cores_busy": round(sum(postfix_cpu.values()) / wall, 2),
             "machine_cores_busy": round(busy / wall, 2),
-            "load_stderr": load.stderr.read().decode()[-300:] if load.stderr else "",
+            "load_stderr": (work / "smtp-source.err").read_text(errors="replace")[-300:],
         }
         if opendkim is not None:
             results["opendkim_cores_busy"] = round(
@@ -268,14 +283,14 @@ alias_database =
             )
             results["sink_messages"] = len(dumped)
     finally:
-        run_postfix(postfix, conf, "stop", check=False)
-        sink.terminate()
-        sink.wait(10)
-        if opendkim is not None:
-            opendkim.terminate()
-            opendkim.wait(10)
+        stop(load)
+        if (work / "spool" / "pid" / "master.pid").exists():
+            run_postfix(postfix, work / "etc", "stop", check=False)
+        stop(sink)
+        stop(opendkim)
+        if secure is not None:
             shutil.rmtree(secure, ignore_errors=True)
-        time.sleep(1)
+        time.sleep(1)  # the master's daemons exit after it
         if args.keep:
             print(f"kept {work} (its maillog says what Postfix did)", file=sys.stderr)
         else:
