@@ -53,6 +53,30 @@ class MultiprocessSetupError(Exception):
     """The environment already chose a multiprocess directory; we need our own."""
 
 
+DIR_PREFIX = "pigeon-mta-metrics-"
+
+
+def remove_stale_directories(parent: Path | None = None) -> list[Path]:
+    """Remove the metrics directories of supervisors that are gone without cleaning up (killed,
+    out of memory): each is named after its supervisor's PID. Only this user's, and only where
+    no process has that PID now; returns what it removed."""
+    removed = []
+    for path in Path(parent or tempfile.gettempdir()).glob(f"{DIR_PREFIX}*-*"):
+        pid_text = path.name[len(DIR_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit() or not path.is_dir():
+            continue
+        try:
+            if path.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except OSError:
+            continue  # alive under another user, or unreadable: not ours to judge
+    return removed
+
+
 class MetricsExposition:
     """The node's metrics as one Prometheus exposition; knows the worker processes."""
 
@@ -73,7 +97,8 @@ class MetricsExposition:
                 f"unset {ENV_MULTIPROC_DIR}: pigeon-mta makes its own multiprocess metrics "
                 "directory for each run"
             )
-        path = Path(tempfile.mkdtemp(prefix="pigeon-mta-metrics-"))
+        remove_stale_directories()
+        path = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-"))
         os.environ[ENV_MULTIPROC_DIR] = str(path)
         return cls(path)
 

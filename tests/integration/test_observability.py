@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pigeon_mta import metrics
 from pigeon_mta.config import HostPort
-from pigeon_mta.observability.exposition import MetricsExposition
+from pigeon_mta.observability.exposition import MetricsExposition, remove_stale_directories
 from pigeon_mta.observability.health import Readiness
 from pigeon_mta.observability.http import ObservabilityServer
 from tests.conftest import REPO, free_port
@@ -137,6 +137,35 @@ def test_with_one_process_the_registry_is_the_exposition() -> None:
     text = MetricsExposition(None).render().decode()
     names = {f.name for f in text_string_to_metric_families(text)}
     assert {"pigeon_deliveries", "pigeon_queue_recipients", "process_cpu_seconds"} <= names
+
+
+def test_a_killed_supervisors_metrics_directory_is_removed_by_the_next_start(
+    tmp_path: Path,
+) -> None:
+    """A supervisor killed with SIGKILL cannot remove its multiprocess directory; the next start
+    removes the directories whose supervisor is gone, and leaves a running one's alone."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"pigeon-mta-metrics-{gone.pid}-abc123"
+    running = tmp_path / f"pigeon-mta-metrics-{os.getpid()}-def456"
+    unrelated = tmp_path / "pigeon-mta-metrics-notapid"
+    for directory in (stale, running, unrelated):
+        directory.mkdir()
+        (directory / "counter_1.db").write_bytes(b"x")
+    assert remove_stale_directories(tmp_path) == [stale]
+    assert not stale.exists() and running.exists() and unrelated.exists()
+
+
+def test_the_supervisor_names_its_metrics_directory_after_itself() -> None:
+    exposition = MetricsExposition.for_processes(2)
+    try:
+        assert exposition.multiprocess_dir is not None
+        assert exposition.multiprocess_dir.name.startswith(f"pigeon-mta-metrics-{os.getpid()}-")
+        assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == str(exposition.multiprocess_dir)
+    finally:
+        exposition.close()
+    assert not exposition.multiprocess_dir.exists()
+    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
 
 
 # ---------------------------------------------------------------- readiness and HTTP
