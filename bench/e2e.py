@@ -158,6 +158,18 @@ def saturation(
     }
 
 
+async def transactions(conn: asyncpg.Connection) -> int:
+    """Transactions committed or rolled back in this database so far (the statistics collector's
+    count, flushed at most once a second: read it after a pause)."""
+    await asyncio.sleep(1.1)
+    await conn.execute("SELECT pg_stat_clear_snapshot()")
+    return int(
+        await conn.fetchval(
+            "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()"
+        )
+    )
+
+
 def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
@@ -341,6 +353,7 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
             if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()
         ]
         # ---------------- phase 1: capacity
+        xacts = await transactions(conn)
         cpu = Cpu(
             {
                 "pigeon supervisor": [serve.pid],
@@ -402,6 +415,10 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
             "wall_s": round(wall, 1),
             "cpu_s": {k: round(v, 1) for k, v in used.items()},
             "cores_busy": {k: round(v / wall, 2) for k, v in used.items()},
+            # Every transaction of the run (the bench's own polling included: 2 per 0.25 s).
+            "db_transactions_per_message": round(
+                (await transactions(conn) - xacts) / max(1, e2e_done), 2
+            ),
             **saturation(cpu, wall, workers, used),
             "load_stderr": (load.stderr.read().decode()[-300:] if load.stderr else ""),
         }
@@ -409,6 +426,7 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
         rate = args.half_rate or max(10.0, results["phase1"]["e2e_rate"] / 2)  # type: ignore[index]
         count = int(rate * args.latency_seconds)
         mark = await conn.fetchval("SELECT now()")
+        xacts = await transactions(conn)
         began = time.monotonic()
         cpu = Cpu(
             {
@@ -447,6 +465,9 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
             "p99_ms": round(row["p99"] or 0, 1),
             "max_ms": round(row["max"] or 0, 1),
             "cores_busy": {k: round(v / measured, 2) for k, v in used.items()},
+            "db_transactions_per_message": round(
+                (await transactions(conn) - xacts) / max(1, row["n"]), 2
+            ),
             **saturation(cpu, measured, workers, used),
         }
         results["peak_rss_mb"] = {
