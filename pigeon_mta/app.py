@@ -207,15 +207,19 @@ def worker_services(settings: Settings, pool: asyncpg.Pool, url: str, index: int
     signer = DkimSigner(pool)
     # One waker per process: the engine waits on it; LISTEN brings mail queued elsewhere, and this
     # process's listeners wake it directly after each commit (NotifySender.poke), which also sends
-    # one coalesced NOTIFY for the other processes and nodes.
+    # one coalesced NOTIFY for the other processes and nodes when this engine cannot take it all.
     waker = QueueWaker(lambda: store_connect.connect(url, settings))
-    notifier = NotifySender(pool, waker)
+    engine = (
+        DeliveryEngine(settings, pool, sign=signer, delivery_log=delivery_log, waker=waker)
+        if settings.delivery.enabled
+        else None
+    )
+    # No NOTIFY for what this process's own engine takes at once (NotifySender).
+    notifier = NotifySender(pool, waker, local_takes=engine.takes if engine else None)
     services: list[Service] = [_Resources([signer.close, delivery_log.close], notifier)]
     # The engine stops after the listeners, delivering what they queued.
-    if settings.delivery.enabled:
-        services.append(
-            DeliveryEngine(settings, pool, sign=signer, delivery_log=delivery_log, waker=waker)
-        )
+    if engine is not None:
+        services.append(engine)
     elif index == 0:
         log.warning("delivery.enabled is false: this node queues mail but delivers none")
     services.append(

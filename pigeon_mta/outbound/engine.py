@@ -123,6 +123,11 @@ class DeliveryEngine:
         self._claimer: asyncio.Task[None] | None = None
         self._recorder: asyncio.Task[None] | None = None
         self._renewer: asyncio.Task[None] | None = None
+        # Deliveries promised to this process's listeners since the last claim (see `takes`).
+        self._promised = 0
+        # Claim in reasonably large bites: claiming for every single freed slot would cost a
+        # query per message.
+        self._bite = max(1, min(self.delivery.batch_size, self.delivery.concurrency // 4))
 
     # ------------------------------------------------------------ service
 
@@ -137,6 +142,19 @@ class DeliveryEngine:
             self.owner,
             self.delivery.concurrency,
         )
+
+    def takes(self, deliveries: int) -> bool:
+        """Whether this engine, woken by the caller, will claim `deliveries` more at once: the
+        room left after what it was promised since its last claim. The listeners' NotifySender
+        asks before it wakes the other processes and nodes with a NOTIFY; a wrong yes costs them
+        at most a poll interval, never a message."""
+        if self._stopping.is_set() or self._claimer is None or self._claimer.done():
+            return False
+        room = self.delivery.concurrency - len(self._active)
+        if room - self._promised < deliveries or (room < self._bite and self._active):
+            return False  # full, or waiting for a bite's worth of room before it claims
+        self._promised += deliveries
+        return True
 
     async def stop(self, deadline: float) -> None:
         if self._stopping.is_set():
@@ -256,9 +274,7 @@ class DeliveryEngine:
     async def _claim_loop(self) -> None:
         delivery = self.delivery
         loop = asyncio.get_running_loop()
-        # Claim in reasonably large bites: claiming for every single freed slot would cost a
-        # query per message.
-        bite = max(1, min(delivery.batch_size, delivery.concurrency // 4))
+        bite = self._bite
         while not self._stopping.is_set():
             room = delivery.concurrency - len(self._active)
             if room < bite and self._active:
@@ -279,6 +295,7 @@ class DeliveryEngine:
                 log.exception("delivery engine: claiming failed unexpectedly")
                 await self._idle(delivery.poll_interval)
                 continue
+            self._promised = 0
             now = loop.time()
             count = 0
             for d in claimed:

@@ -64,7 +64,7 @@ class ConnectionCounter:
             self._open.pop(ip, None)
 
 
-def _nothing() -> None:
+def _nothing(_recipients: int) -> None:
     return None
 
 
@@ -97,7 +97,8 @@ class ListenerContext:
     shutting_down: bool = False
     # Reception records (after the commit) and the wake-up of this process's engine.
     delivery_log: DeliveryLog | None = None
-    on_queued: Callable[[], None] = _nothing
+    # Called after each commit with the message's recipient count (wakes the engines).
+    on_queued: Callable[[int], None] = _nothing
 
     @property
     def name(self) -> str:

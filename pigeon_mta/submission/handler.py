@@ -371,7 +371,7 @@ class SubmissionHandler:
 
     def _announce(self, message: model.Envelope, reception: Reception) -> None:
         """After the commit: wake the engines, write the Reception records and the log line."""
-        self.ctx.on_queued()
+        self.ctx.on_queued(len(message.recipients))
         if self.ctx.delivery_log is not None:
             self.ctx.delivery_log.reception(
                 reception.queue_id, message, received_at=reception.received_at

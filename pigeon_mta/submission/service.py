@@ -41,7 +41,7 @@ class SubmissionService:
         pool: asyncpg.Pool,
         *,
         delivery_log: DeliveryLog | None = None,
-        on_queued: Callable[[], None] | None = None,
+        on_queued: Callable[[int], None] | None = None,
     ) -> None:
         self.settings = settings
         self.pool = pool

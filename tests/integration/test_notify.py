@@ -106,6 +106,41 @@ async def test_quiet_enqueue_plus_notify_sender_wakes_other_engines(
         await other.close()
 
 
+async def test_what_the_local_engine_takes_wakes_it_without_a_notify(
+    pool: asyncpg.Pool, db_url: str, org_id: uuid.UUID
+) -> None:
+    from pigeon_mta.store.notify import NotifySender
+
+    other = await started_waker(db_url)
+    local = QueueWaker(lambda: asyncpg.connect(db_url))
+    room = [3]
+
+    def takes(deliveries: int) -> bool:
+        if room[0] < deliveries:
+            return False
+        room[0] -= deliveries
+        return True
+
+    sender = NotifySender(pool, local, local_takes=takes)
+    sender.start()
+    try:
+        await queue.enqueue(pool, mail(org_id), notify=False)
+        sender.poke(2)
+        assert await local.wait(0) is True, "the local engine is woken at once"
+        assert await other.wait(0.5) is False, "no NOTIFY for what the local engine takes"
+        assert (sender.sent, sender.left_local) == (0, 1)
+        await queue.enqueue(pool, mail(org_id), notify=False)
+        sender.poke(2)  # one more place only: the others are told
+        assert await other.wait(POLL) is True
+        deadline = time.monotonic() + 10
+        while sender.sent == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert (sender.sent, sender.left_local) == (1, 1)
+    finally:
+        await sender.close()
+        await other.close()
+
+
 async def test_quiet_enqueue_sends_no_notification(
     pool: asyncpg.Pool, db_url: str, org_id: uuid.UUID
 ) -> None:

@@ -226,6 +226,24 @@ def outcome_rule(rule: str) -> str:
     return rule.split("; ")[0]
 
 
+async def test_the_engine_says_what_it_takes_and_keeps_count_until_its_next_claim(
+    world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
+) -> None:
+    """Listeners ask `takes` before they NOTIFY the other processes: yes while the room left
+    after what it was promised since its last claim holds it, and no once it stops."""
+    settings = world.settings(db_url)
+    room = settings.delivery.concurrency
+    async with running_engine(settings, pool, db_url) as engine:
+        await asyncio.sleep(0.3)  # started and idle
+        assert engine.takes(room) is True
+        assert engine.takes(1) is False, "everything was promised"
+        qid = await send(pool, org_id, "ok@order.test")
+        engine.waker.wake()  # type: ignore[union-attr]
+        assert await wait_final(pool, qid) == {"ok@order.test": "delivered"}
+        assert engine.takes(1) is True, "a claim since: the promise is spent"
+    assert engine.takes(1) is False, "a stopped engine takes nothing"
+
+
 async def test_an_unreadable_suppression_list_hands_the_claim_back_untried(
     world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
 ) -> None:

@@ -135,9 +135,7 @@ async def test_a_message_committed_after_its_client_hung_up_is_announced(
     log_path = tmp_path / "delivery.log"
     delivery_log = DeliveryLog.open(str(log_path))
     pokes: list[int] = []
-    service = SubmissionService(
-        settings, pool, delivery_log=delivery_log, on_queued=lambda: pokes.append(1)
-    )
+    service = SubmissionService(settings, pool, delivery_log=delivery_log, on_queued=pokes.append)
     await service.start()
     await service.trusted_org()  # the org row exists, so the lock below holds it
     blocker = await asyncpg.connect(db_url)
