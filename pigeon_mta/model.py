@@ -110,6 +110,8 @@ class ClaimedRecipient:
     id: uuid.UUID
     address: str
     attempts: int  # including the attempt this claim is for; doubles as a fencing token
+    # The reason, when the org's suppression list held the address at the claim: not attempted.
+    suppressed: str | None = None
 
 
 @dataclass(frozen=True)

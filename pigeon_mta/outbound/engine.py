@@ -302,7 +302,7 @@ class DeliveryEngine:
                 for r in d.recipients:
                     self._held[r.id] = _Held(d, r, now)
                     count += 1
-            claimed = await self._drop_suppressed(claimed)
+            claimed = self._drop_suppressed(claimed)
             for d in self._group(claimed):
                 self._spawn(d)
             if count < want:
@@ -311,18 +311,11 @@ class DeliveryEngine:
                 # this claim instead of costing one each.
                 await self._pause(delivery.claim_wait)
 
-    async def _drop_suppressed(self, claimed: list[Delivery]) -> list[Delivery]:
-        """Recipients on their org's suppression list are recorded `suppressed`, not attempted."""
-        if not claimed:
-            return claimed
-        try:
-            keep, suppressed = await store_suppression.filter_suppressed(self.pool, claimed)
-        except DB_ERRORS as exc:
-            # Without the list we cannot know who must not be mailed: hand the claim back.
-            log.warning("cannot read the suppression list: %s; releasing the claim", exc)
-            await self._give_back([r for d in claimed for r in d.recipients])
-            await self._idle(self.delivery.poll_interval)
-            return []
+    def _drop_suppressed(self, claimed: list[Delivery]) -> list[Delivery]:
+        """Recipients on their org's suppression list (read by the claim) are recorded
+        `suppressed`, not attempted. A list that cannot be read fails the claim itself: nobody
+        is mailed whom the list might hold."""
+        keep, suppressed = store_suppression.split_suppressed(claimed)
         if suppressed:
             self._submit(suppressed)
         return keep

@@ -147,32 +147,16 @@ async def suppressed_addresses(
     return {a for a in addresses if normalise_address(a) in found}
 
 
-_CHECK_CLAIMED = f"""
-SELECT u.recipient_id, s.reason
-FROM unnest($1::uuid[], $2::uuid[], $3::text[]) AS u (recipient_id, org_id, address)
-JOIN suppression s ON s.org_id = u.org_id AND s.address = u.address
-WHERE {_ACTIVE}
-"""
-
-
-async def filter_suppressed(
-    db: Executor, deliveries: Sequence[Delivery], *, now: datetime | None = None
+def split_suppressed(
+    deliveries: Sequence[Delivery], *, now: datetime | None = None
 ) -> tuple[list[Delivery], list[AttemptResult]]:
-    """Split claimed work into what may be attempted and the `suppressed` results to record.
-
-    One query for the whole claim, whatever the orgs. A delivery left with no recipient is
-    dropped; the results go to the same record call as the attempted ones.
+    """Split claimed work into what may be attempted and the `suppressed` results to record; the
+    claim has read each recipient's entry (ClaimedRecipient.suppressed). A delivery left with no
+    recipient is dropped; the results go to the same record call as the attempted ones.
     """
-    pairs = [(d, r) for d in deliveries for r in d.recipients]
-    if not pairs:
-        return list(deliveries), []
-    rows = await db.fetch(
-        _CHECK_CLAIMED,
-        [r.id for _d, r in pairs],
-        [d.org_id for d, _r in pairs],
-        [normalise_address(r.address) for _d, r in pairs],
-    )
-    reasons: dict[uuid.UUID, str] = {row["recipient_id"]: row["reason"] for row in rows}
+    reasons: dict[uuid.UUID, str] = {
+        r.id: r.suppressed for d in deliveries for r in d.recipients if r.suppressed is not None
+    }
     if not reasons:
         return list(deliveries), []
     now = now or datetime.now(UTC)

@@ -279,7 +279,14 @@ async def test_suppressed_recipients_are_not_attempted(
     await send(pool, org_id, "BOB@example.net", "carol@example.net")
     await send(pool, org_id, "bob@example.net")
 
-    keep, results = await suppression.filter_suppressed(pool, await claim_all(pool))
+    await suppression.add_suppression(
+        pool,
+        org_id,
+        "carol@example.net",
+        reason="gone",
+        expires_at=datetime.now(UTC) - timedelta(1),
+    )
+    keep, results = suppression.split_suppressed(await claim_all(pool))
 
     assert [[r.address for r in d.recipients] for d in keep] == [["carol@example.net"]]
     assert sorted(r.outcome for r in results) == ["suppressed", "suppressed"]
