@@ -117,11 +117,15 @@ async def enqueue_many(
 
 # ---------------------------------------------------------------- claim
 
+# A suppression-list entry `s` in force: the claim reads the list (below), and so does
+# store/suppression.py, which owns it.
+SUPPRESSION_ACTIVE = "(s.expires_at IS NULL OR s.expires_at > now())"
+
 # Cross-tenant by design: the claim serves every org's queue. ARRAY(...) makes the locking subquery
 # run once; the partial index recipient_due serves its WHERE and ORDER BY. One row per recipient,
 # grouped in Python: grouping in SQL (array_agg ... ORDER BY per column and group) cost PostgreSQL
 # about a seventh of the claim (bench/README.md "Queue").
-_CLAIM = """
+_CLAIM = f"""
 WITH c AS (
     UPDATE recipient r
     SET status = 'delivering',
@@ -147,7 +151,7 @@ SELECT m.id AS message_id, m.org_id, m.sender, m.header_message_id, m.received_a
        s.reason AS suppressed
 FROM c JOIN message m ON m.id = c.message_id
 LEFT JOIN suppression s ON s.org_id = m.org_id AND s.address = lower(c.address)
-                       AND (s.expires_at IS NULL OR s.expires_at > now())
+                       AND {SUPPRESSION_ACTIVE}
 """
 
 

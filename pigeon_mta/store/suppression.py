@@ -18,7 +18,7 @@ import asyncpg
 from pigeon_mta.bounce_classify import Category, classify_reply, suppresses
 from pigeon_mta.ids import new_id, new_ids
 from pigeon_mta.model import AttemptResult, Delivery, Outcome, Reply
-from pigeon_mta.store.queue import Executor
+from pigeon_mta.store.queue import SUPPRESSION_ACTIVE, Executor
 
 MANUAL = "manual"
 BOUNCE = "bounce"
@@ -128,7 +128,7 @@ async def list_suppressions(
 
 # ---------------------------------------------------------------- checks
 
-_ACTIVE = "(s.expires_at IS NULL OR s.expires_at > now())"
+_ACTIVE = SUPPRESSION_ACTIVE
 
 
 async def suppressed_addresses(
