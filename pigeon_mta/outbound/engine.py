@@ -123,10 +123,8 @@ class DeliveryEngine:
         self._claimer: asyncio.Task[None] | None = None
         self._recorder: asyncio.Task[None] | None = None
         self._renewer: asyncio.Task[None] | None = None
-        # Deliveries promised to this process's listeners since the last claim (see `takes`).
+        # Recipients promised to this process's listeners since the last claim (see `takes`).
         self._promised = 0
-        # Claim in reasonably large bites: claiming for every single freed slot would cost a
-        # query per message.
         self._bite = max(1, min(self.delivery.batch_size, self.delivery.concurrency // 4))
 
     # ------------------------------------------------------------ service
@@ -143,17 +141,22 @@ class DeliveryEngine:
             self.delivery.concurrency,
         )
 
-    def takes(self, deliveries: int) -> bool:
-        """Whether this engine, woken by the caller, will claim `deliveries` more at once: the
-        room left after what it was promised since its last claim. The listeners' NotifySender
-        asks before it wakes the other processes and nodes with a NOTIFY; a wrong yes costs them
-        at most a poll interval, never a message."""
+    def _claimable(self) -> int:
+        """How many the claim loop takes now: its free room, or 0 while it waits for a bite's
+        worth of room (claiming for every single freed slot would cost a query per message)."""
+        room = self.delivery.concurrency - len(self._active)
+        return 0 if room < self._bite and self._active else room
+
+    def takes(self, recipients: int) -> bool:
+        """Whether this engine, woken by the caller, will claim `recipients` more at once: what
+        it claims now, less what it was promised since its last claim. The listeners'
+        NotifySender asks before it wakes the other processes and nodes with a NOTIFY; a wrong
+        yes costs them at most a poll interval, never a message."""
         if self._stopping.is_set() or self._claimer is None or self._claimer.done():
             return False
-        room = self.delivery.concurrency - len(self._active)
-        if room - self._promised < deliveries or (room < self._bite and self._active):
-            return False  # full, or waiting for a bite's worth of room before it claims
-        self._promised += deliveries
+        if self._claimable() - self._promised < recipients:
+            return False
+        self._promised += recipients
         return True
 
     async def stop(self, deadline: float) -> None:
@@ -274,10 +277,9 @@ class DeliveryEngine:
     async def _claim_loop(self) -> None:
         delivery = self.delivery
         loop = asyncio.get_running_loop()
-        bite = self._bite
         while not self._stopping.is_set():
-            room = delivery.concurrency - len(self._active)
-            if room < bite and self._active:
+            room = self._claimable()
+            if not room:
                 self._room.clear()
                 await self._room.wait()
                 continue

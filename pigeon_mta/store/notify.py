@@ -124,7 +124,7 @@ class NotifySender:
 
     This process's own engine is woken at once (`local`); the NOTIFY is for the other processes
     and nodes, which matter when this engine is full or delivery is off here. So with
-    `local_takes` (the engine's answer to "can you take this many more deliveries now?") a poke
+    `local_takes` (the engine's answer to "can you take this many more recipients now?") a poke
     the local engine takes sends nothing: at moderate load each NOTIFY woke the other processes
     to claim what this engine, woken at once, had mostly taken already (bench/README.md). Without
     a floor, a NOTIFY takes well under a millisecond, so under load nearly every commit sent one:
@@ -151,11 +151,11 @@ class NotifySender:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="queue-notify")
 
-    def poke(self, deliveries: int = 1) -> None:
-        """Called after a commit that queued mail for up to `deliveries` SMTP transactions."""
+    def poke(self, recipients: int = 1) -> None:
+        """Called after a commit that queued a message for `recipients` recipients."""
         if self._local is not None:
             self._local.wake()
-            if self._local_takes is not None and self._local_takes(deliveries):
+            if self._local_takes is not None and self._local_takes(recipients):
                 self.left_local += 1
                 return
         self._pending.set()

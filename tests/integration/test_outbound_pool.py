@@ -188,6 +188,27 @@ async def test_a_transaction_broken_off_gives_its_connection_back_to_the_pool(
         assert engine.connections.open_connections == 0
 
 
+async def test_an_engine_full_of_hung_transactions_takes_nothing_more(
+    world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
+) -> None:
+    """Its listeners then NOTIFY the other processes and nodes (NotifySender asks `takes`)."""
+    settings = world.settings(db_url, concurrency=2)
+    async with running_engine(settings, pool, db_url) as engine:
+        await asyncio.sleep(0.3)
+        assert engine.takes(1) is True
+        await queue_many(pool, org_id, ["hang+1@order.test", "hang+2@order.test"])
+        engine.waker.wake()  # type: ignore[union-attr]
+        await world.sinks.wait_for(
+            lambda: (
+                world.sinks.rcpt_commands["hang+1@order.test"]
+                and world.sinks.rcpt_commands["hang+2@order.test"]
+            )
+        )
+        assert engine.in_flight == 2
+        assert engine.takes(1) is False
+        await engine.stop(asyncio.get_running_loop().time() + 3)
+
+
 async def test_stop_hands_back_mail_waiting_for_its_destination_without_delay(
     world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
 ) -> None:
