@@ -194,7 +194,9 @@ class _Resources:
             close()
 
 
-def worker_services(settings: Settings, pool: asyncpg.Pool, url: str, index: int) -> list[Service]:
+def worker_services(
+    settings: Settings, pool: asyncpg.Pool, commit_pool: asyncpg.Pool, url: str, index: int
+) -> list[Service]:
     """The services of one worker process, in start order (they stop in reverse order)."""
     from pigeon_mta.outbound.engine import DeliveryEngine
     from pigeon_mta.signer import DkimSigner
@@ -223,7 +225,13 @@ def worker_services(settings: Settings, pool: asyncpg.Pool, url: str, index: int
     elif index == 0:
         log.warning("delivery.enabled is false: this node queues mail but delivers none")
     services.append(
-        SubmissionService(settings, pool, delivery_log=delivery_log, on_queued=notifier.poke)
+        SubmissionService(
+            settings,
+            pool,
+            delivery_log=delivery_log,
+            on_queued=notifier.poke,
+            commit_pool=commit_pool,
+        )
     )
     return services
 
@@ -252,12 +260,17 @@ def reload_services() -> None:
 
 
 async def run_worker(settings: Settings, url: str, index: int, stop: asyncio.Event) -> None:
-    """One serving process: its pool and the services that run in every process."""
+    """One serving process: its pools and the services that run in every process."""
     pool = await store_connect.create_pool(url, settings)
+    try:
+        commit_pool = await store_connect.commit_pool(url, settings)
+    except BaseException:
+        await pool.close()
+        raise
     started: list[Service] = []
     try:
         try:
-            for service in worker_services(settings, pool, url, index):
+            for service in worker_services(settings, pool, commit_pool, url, index):
                 await service.start()
                 started.append(service)
                 _RUNNING.append(service)
@@ -282,6 +295,7 @@ async def run_worker(settings: Settings, url: str, index: int, stop: asyncio.Eve
             except Exception:
                 log.exception("worker %d: stopping %s failed", index, service.name)
     finally:
+        await commit_pool.close()
         await pool.close()
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import asyncpg
 
 from pigeon_mta.config import Settings
+from pigeon_mta.store.group_commit import MAX_COMMITS
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,10 @@ def _redact(url: str) -> str:
     return f"{scheme}://{user}@{host}"
 
 
-def server_settings(settings: Settings) -> dict[str, str]:
+def server_settings(settings: Settings, *, generic_plans: bool = False) -> dict[str, str]:
+    """The session settings of the service's connections. `generic_plans`: for connections that
+    only run statements whose plan cannot depend on the tables' size (the submission path's
+    commits: inserts of the rows given), which PostgreSQL may then plan once per connection."""
     return {
         "application_name": "pigeon-mta",
         "statement_timeout": str(int(settings.database.statement_timeout * 1000)),
@@ -95,8 +99,10 @@ def server_settings(settings: Settings) -> dict[str, str]:
         # kept until the next ANALYZE and can be wrong by orders of magnitude. Measured on a new
         # database, end to end with DKIM: generic plans cost PostgreSQL 11-12 s of CPU for 20,000
         # messages and gave 797-840 msgs/s; planned each time, 9.9 s and 890 msgs/s (planning
-        # these statements costs far less than one bad scan).
-        "plan_cache_mode": "force_custom_plan",
+        # these statements costs far less than one bad scan). But planning an enqueue again for
+        # each message cost a third of the one-connection enqueue rate (1,220-1,250 msgs/s against
+        # 1,720-1,850, bench/README.md "Fourth sitting"), and its plan is the same at any size.
+        "plan_cache_mode": "auto" if generic_plans else "force_custom_plan",
     }
 
 
@@ -108,14 +114,16 @@ async def connect(url: str, settings: Settings) -> asyncpg.Connection:
     )
 
 
-async def create_pool(url: str, settings: Settings, *, size: int | None = None) -> asyncpg.Pool:
+async def create_pool(
+    url: str, settings: Settings, *, size: int | None = None, generic_plans: bool = False
+) -> asyncpg.Pool:
     size = size or settings.database.pool_size
     kwargs: dict[str, Any] = {
         "min_size": min(2, size),
         "max_size": size,
         "timeout": settings.database.connect_timeout,
         "command_timeout": settings.database.statement_timeout + 5,
-        "server_settings": server_settings(settings),
+        "server_settings": server_settings(settings, generic_plans=generic_plans),
         # Idle connections are recycled so that a restarted server is noticed quickly.
         "max_inactive_connection_lifetime": 60.0,
         "reset": _keep_session,
@@ -123,6 +131,13 @@ async def create_pool(url: str, settings: Settings, *, size: int | None = None) 
     pool = await asyncpg.create_pool(url, **kwargs)
     assert pool is not None
     return pool
+
+
+async def commit_pool(url: str, settings: Settings) -> asyncpg.Pool:
+    """A worker's connections for the submission path's commits (store/group_commit.py): one per
+    commit it runs at once, planned generically (`server_settings`), and never waiting behind the
+    engine's statements for a connection of the main pool."""
+    return await create_pool(url, settings, size=MAX_COMMITS, generic_plans=True)
 
 
 async def _keep_session(_conn: asyncpg.Connection) -> None:

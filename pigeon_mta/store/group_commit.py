@@ -33,13 +33,19 @@ class _Waiting:
     committed: asyncio.Future[None]
 
 
+# Statements under way at once (more than one keeps PostgreSQL's own group commit busy while a
+# batch is being sent); also the size of a worker's commit pool (store.connect.commit_pool).
+MAX_COMMITS = 2
+
+
 class GroupCommit:
     """`await group.enqueue(queue_id, envelope)` returns once the message is committed (or raises
     what the commit raised)."""
 
-    def __init__(self, pool: asyncpg.Pool, *, max_batch: int = 64, max_commits: int = 2) -> None:
-        """`max_batch`: messages per statement. `max_commits`: statements under way at once (more
-        than one keeps PostgreSQL's own group commit busy while a batch is being sent)."""
+    def __init__(
+        self, pool: asyncpg.Pool, *, max_batch: int = 64, max_commits: int = MAX_COMMITS
+    ) -> None:
+        """`max_batch`: messages per statement. `max_commits`: statements under way at once."""
         self._pool = pool
         self._max_batch = max_batch
         self._max_commits = max_commits

@@ -42,7 +42,10 @@ class SubmissionService:
         *,
         delivery_log: DeliveryLog | None = None,
         on_queued: Callable[[int], None] | None = None,
+        commit_pool: asyncpg.Pool | None = None,
     ) -> None:
+        """`commit_pool`: the connections the group commit writes messages on (the worker gives it
+        its own, see `store.connect.commit_pool`); `pool` when not given."""
         self.settings = settings
         self.pool = pool
         self.delivery_log = delivery_log
@@ -51,7 +54,7 @@ class SubmissionService:
         self.connections = ConnectionCounter(settings.limits.max_connections_per_ip)
         self.trusted_org = TrustedOrg(pool, settings.relay.trusted_org)
         # One per process: every listener's messages may share a commit.
-        self.group_commit = GroupCommit(pool)
+        self.group_commit = GroupCommit(commit_pool or pool)
         self.trusted_networks = tuple(
             ipaddress.ip_network(n, strict=False) for n in settings.relay.trusted_networks
         )

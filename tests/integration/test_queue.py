@@ -54,11 +54,12 @@ async def test_enqueue_writes_message_and_every_recipient(
     assert [d["domain"] for d in domains] == ["one.example", "two.example", "one.example"]
 
 
+@pytest.mark.parametrize("messages", [1, 3], ids=["one message", "a batch"])
 async def test_enqueue_is_atomic_when_a_recipient_insert_fails(
-    pool: asyncpg.Pool, org_id: uuid.UUID
+    pool: asyncpg.Pool, org_id: uuid.UUID, messages: int
 ) -> None:
-    # A trigger makes the recipient insert fail after the message row was written in the same
-    # statement: neither may remain.
+    # A trigger makes the recipient insert fail after the message rows were written in the same
+    # statement: none may remain. (A lone message and a batch have statements of their own.)
     await pool.execute(
         """CREATE FUNCTION refuse_boom() RETURNS trigger LANGUAGE plpgsql AS $$
            BEGIN IF NEW.address = 'boom@example.net' THEN RAISE EXCEPTION 'refused'; END IF;
@@ -66,8 +67,10 @@ async def test_enqueue_is_atomic_when_a_recipient_insert_fails(
            CREATE TRIGGER refuse_boom BEFORE INSERT ON recipient
            FOR EACH ROW EXECUTE FUNCTION refuse_boom();"""
     )
+    batch = [(uuid.uuid4(), envelope(org_id, "ok@example.net")) for _ in range(messages - 1)]
+    batch.append((uuid.uuid4(), envelope(org_id, "ok@example.net", "boom@example.net")))
     with pytest.raises(asyncpg.RaiseError):
-        await queue.enqueue(pool, envelope(org_id, "ok@example.net", "boom@example.net"))
+        await queue.enqueue_many(pool, batch)
     assert await count(pool, "message") == 0
     assert await count(pool, "recipient") == 0
 

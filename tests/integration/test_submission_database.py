@@ -15,6 +15,7 @@ from pathlib import Path
 import asyncpg
 
 from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.store import connect as store_connect
 from pigeon_mta.submission.service import SubmissionService
 from tests.integration.submission_helpers import (
     TRUSTED_CLIENT,
@@ -189,3 +190,36 @@ async def test_a_message_committed_after_its_client_hung_up_is_announced(
     assert [(r["type"], r["queue_id"], r["recipient"]) for r in records] == [
         ("Reception", str(rows[0]["id"]), "orphan@example.net")
     ]
+
+
+async def test_messages_commit_on_their_own_connections_while_the_main_pool_is_taken(
+    tmp_path: Path, db_url: str, pool: asyncpg.Pool
+) -> None:
+    """A worker commits accepted mail on its commit pool (store.connect.commit_pool): with every
+    connection of its main pool held (by a slow engine round, say), a message still gets its 250
+    and is queued; and those commit connections plan generically, where the main pool's plan each
+    statement for its parameters (store.connect.server_settings)."""
+    settings = make_settings(tmp_path, db_url, make_tls(tmp_path), modes=("relay",))
+    main = await store_connect.create_pool(db_url, settings, size=1)
+    commits = await store_connect.commit_pool(db_url, settings)
+    service = SubmissionService(settings, main, commit_pool=commits)
+    await service.start()
+    try:
+        await service.trusted_org()  # looked up once, on the main pool
+        async with main.acquire() as held:
+            assert await held.fetchval("SHOW plan_cache_mode") == "force_custom_plan"
+
+            def deliver() -> tuple[int, bytes]:
+                with smtp_client(service.bound["relay"][1], timeout=10) as client:
+                    client.ehlo("client.test")
+                    return send(client, "taken")
+
+            code, text = await asyncio.wait_for(asyncio.to_thread(deliver), 15)
+            assert code == 250, text
+        assert await commits.fetchval("SHOW plan_cache_mode") == "auto"
+        rows = await message_rows(pool)
+        assert [r["recipients"] for r in rows] == [["taken@example.net"]]
+    finally:
+        await service.stop(asyncio.get_running_loop().time() + 5)
+        await commits.close()
+        await main.close()
