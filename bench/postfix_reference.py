@@ -16,7 +16,10 @@ is stopped (`postfix stop`) and its directory removed at the end.
     .venv/bin/python bench/postfix_reference.py [--messages 20000] [--dkim rsa|none] [--dump]
 
 With --dkim rsa, OpenDKIM (`apt-get install opendkim`) signs as a milter with a new RSA-2048 key,
-relaxed/relaxed, its configuration in a private directory under /run (it refuses one under /tmp).
+relaxed/relaxed, its configuration in a private directory under /run (it refuses one under /tmp),
+listening on a UNIX socket there (as Debian's package sets it up). Over a TCP socket on loopback
+the milter conversation stalls on Nagle/delayed ACKs: measured on one host, 214 msgs/s with 0.7
+of 2 cores busy, against 373 msgs/s and both cores busy over the UNIX socket.
 --dump keeps the sink's copies and counts the ones that carry a DKIM-Signature (for a small run).
 """
 
@@ -101,6 +104,19 @@ def wait_for_port(port: int, seconds: float, alive: Callable[[], bool]) -> None:
             time.sleep(0.1)
 
 
+def wait_for_socket(path: Path, seconds: float, alive: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with socket.socket(socket.AF_UNIX) as probe:
+                probe.connect(str(path))
+            return
+        except OSError:
+            if time.monotonic() > deadline or not alive():
+                raise SystemExit(f"nothing listens on {path}") from None
+            time.sleep(0.1)
+
+
 def stop(process: subprocess.Popen[bytes] | None) -> None:
     if process is not None and process.poll() is None:
         process.terminate()
@@ -150,12 +166,15 @@ def main() -> None:
         spool.mkdir()
         data.mkdir()
         shutil.chown(data, "postfix", "postfix")
-        smtp_port, sink_port, milter_port = free_port(), free_port(), free_port()
+        smtp_port, sink_port = free_port(), free_port()
         milter = ""
         if args.dkim == "rsa":
             # OpenDKIM refuses a configuration or key under a directory others may write (/tmp).
             secure = Path(tempfile.mkdtemp(prefix="pigeon-postfix-ref-", dir="/run"))
             secure.chmod(0o755)
+            sockets = secure / "sock"  # opendkim's, readable by Postfix's smtpd
+            sockets.mkdir(mode=0o755)
+            shutil.chown(sockets, "opendkim", "opendkim")
             keys = secure / "keys"
             keys.mkdir()
             subprocess.run(
@@ -170,7 +189,8 @@ Domain bench.test
 Selector b1
 KeyFile {keys / "b1.private"}
 Canonicalization relaxed/relaxed
-Socket inet:{milter_port}@127.0.0.1
+Socket local:{sockets / "milter"}
+UMask 000
 UserID opendkim
 Syslog no
 PidFile {secure / "opendkim.pid"}
@@ -178,9 +198,11 @@ PidFile {secure / "opendkim.pid"}
             )
             opendkim = subprocess.Popen([opendkim_cmd, "-f", "-x", str(secure / "opendkim.conf")])
             # The milter must listen before Postfix takes mail (else: 451 tempfail).
-            wait_for_port(milter_port, 15, lambda: opendkim is not None and opendkim.poll() is None)
+            wait_for_socket(
+                sockets / "milter", 15, lambda: opendkim is not None and opendkim.poll() is None
+            )
             milter = (
-                f"smtpd_milters = inet:127.0.0.1:{milter_port}\nmilter_default_action = tempfail\n"
+                f"smtpd_milters = unix:{sockets / 'milter'}\nmilter_default_action = tempfail\n"
             )
         (conf / "main.cf").write_text(
             f"""compatibility_level = 3.6
