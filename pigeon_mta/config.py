@@ -192,6 +192,10 @@ class LimitsSettings:
     # database, so across processes and nodes); beyond that MAIL gets 450 4.7.1. 0 = no limit.
     credential_rate_limit: int = 0
     credential_rate_window: Duration = Duration(3600)
+    # A message line over RFC 5321's 998 octets: "fold" breaks it before the message is queued
+    # (before its last space or tab within the limit, else at the limit with a space starting the
+    # next part, as Postfix does when it relays); "refuse" answers the DATA with 500 5.5.2.
+    long_lines: Literal["fold", "refuse"] = "fold"
 
 
 # TLS policy towards a destination (see DeliverySettings.tls).

@@ -12,8 +12,8 @@ import enum
 from dataclasses import dataclass
 
 END_OF_DATA = b"\r\n.\r\n"
-# RFC 5321 4.5.3.1.6: 998 octets of text and the CRLF; one more for a stuffed dot.
-MAX_LINE = 1001
+# The longest line of text a message may carry (RFC 5321 4.5.3.1.6, RFC 5322 2.1.1).
+LINE_LIMIT = 998
 
 
 class DataProblem(enum.Enum):
@@ -26,12 +26,16 @@ class Data:
     content: bytes  # dot-unstuffed, every line ending in CRLF; b"" when the problem is set
     size: int  # octets received, as counted against the size limit
     problem: DataProblem | None = None
+    folded: int = 0  # lines over LINE_LIMIT that were broken (see fold_long_lines)
 
 
-async def read_data(reader: asyncio.StreamReader, *, max_size: int | None) -> Data:
+async def read_data(
+    reader: asyncio.StreamReader, *, max_size: int | None, fold: bool = True
+) -> Data:
     """Read up to the end-of-data line. Past `max_size` the rest is read and dropped, so that
     the connection stays in step with the client (the reply comes after the data, RFC 5321
-    4.2.5). Raises asyncio.IncompleteReadError when the client hangs up."""
+    4.2.5). A line over 998 octets is folded (`fold_long_lines`), or with `fold` false makes
+    the problem LINE_TOO_LONG. Raises asyncio.IncompleteReadError when the client hangs up."""
     pieces: list[bytes] = []
     size = 0
     tail = b"\r\n"  # the data starts at the beginning of a line
@@ -56,10 +60,38 @@ async def read_data(reader: asyncio.StreamReader, *, max_size: int | None) -> Da
             break
     if too_big:
         return Data(b"", size, DataProblem.TOO_BIG)
-    content = b"".join(pieces)[:-3]  # keep the CRLF before the final dot: it ends the last line
-    if any(len(line) > MAX_LINE - 2 for line in content.split(b"\r\n")):
-        return Data(b"", size, DataProblem.LINE_TOO_LONG)
-    return Data(unstuff(content), size)
+    content = unstuff(b"".join(pieces)[:-3])  # keep the CRLF before the final dot
+    if any(len(line) > LINE_LIMIT for line in content.split(b"\r\n")):
+        if not fold:
+            return Data(b"", size, DataProblem.LINE_TOO_LONG)
+        content, folded = fold_long_lines(content)
+        return Data(content, size, folded=folded)
+    return Data(content, size)
+
+
+def fold_long_lines(content: bytes) -> tuple[bytes, int]:
+    """Break every line over 998 octets so that the message can be relayed (RFC 5321 4.5.3.1.6);
+    returns the content and how many lines were broken. A line is broken before its last space
+    or tab within the limit (in a header that is a fold, RFC 5322 2.2.3, and changes nothing),
+    else at the limit with a space starting the next part, as Postfix's smtp_line_length_limit
+    does (base64 ignores the space; in other text it shows)."""
+    lines = content.split(b"\r\n")
+    out: list[bytes] = []
+    folded = 0
+    for line in lines:
+        if len(line) > LINE_LIMIT:
+            folded += 1
+        while len(line) > LINE_LIMIT:
+            # From 1: a part that starts with the whitespace it was cut before is not cut there.
+            cut = max(line.rfind(b" ", 1, LINE_LIMIT + 1), line.rfind(b"\t", 1, LINE_LIMIT + 1))
+            if cut > 0:
+                out.append(line[:cut])
+                line = line[cut:]
+            else:
+                out.append(line[:LINE_LIMIT])
+                line = b" " + line[LINE_LIMIT:]
+        out.append(line)
+    return b"\r\n".join(out), folded
 
 
 def unstuff(content: bytes) -> bytes:

@@ -152,7 +152,11 @@ class SMTPSession(SMTP):
         reader = self._reader
         reader._limit = DATA_READ_LIMIT  # type: ignore[attr-defined]
         try:
-            data = await read_data(reader, max_size=self.data_size_limit)
+            data = await read_data(
+                reader,
+                max_size=self.data_size_limit,
+                fold=self.ctx.limits.long_lines == "fold",
+            )
         finally:
             reader._limit = self.line_length_limit  # type: ignore[attr-defined]
         if data.problem is not None:
@@ -163,6 +167,12 @@ class SMTPSession(SMTP):
                 else replies.LINE_TOO_LONG
             )
             return
+        if data.folded:
+            log.info(
+                "DATA from [%s]: %d line(s) over 998 octets folded (limits.long_lines)",
+                self.conversation.client_ip,
+                data.folded,
+            )
         self.envelope.content = self.envelope.original_content = data.content
         status = await self._call_handler_hook("DATA")
         self._set_post_data_state()  # type: ignore[no-untyped-call]

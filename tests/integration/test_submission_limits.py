@@ -108,6 +108,42 @@ async def test_size_limit(tmp_path: Path, db_url: str, pool: asyncpg.Pool) -> No
     assert await counts(pool) == (1, 1)
 
 
+@pytest.mark.parametrize("long_lines", ["fold", "refuse"])
+async def test_lines_over_998_octets(
+    tmp_path: Path, db_url: str, pool: asyncpg.Pool, long_lines: str
+) -> None:
+    """An application's HTML on one 5,000-octet line: folded and queued (as Postfix relays it), or
+    refused with 500 5.5.2 when limits.long_lines says so; the session goes on either way."""
+    settings = make_settings(tmp_path, db_url, make_tls(tmp_path), long_lines=long_lines)
+    html = "<p>" + "lorem ipsum " * 416 + "</p>"  # 4,999 octets, spaces to fold at
+    async with running_service(settings, pool) as running:
+
+        def attempt() -> tuple[tuple[int, bytes], tuple[int, bytes]]:
+            with smtp_client(running.port("relay")) as client:
+                client.ehlo()
+                client.mail("a@host.internal")
+                client.rcpt("b@example.net")
+                long = client.data(message("a@x", "b@y", body=html + "\r\n"))
+                client.mail("a@host.internal")
+                client.rcpt("c@example.net")
+                short = client.data(message("a@x", "c@y", body="short\r\n"))
+                return long, short
+
+        long, short = await asyncio.to_thread(attempt)
+    assert short[0] == 250
+    rows = await message_rows(pool)
+    if long_lines == "refuse":
+        assert long == (500, b"5.5.2 Line too long (RFC 5321 4.5.3.1.6)")
+        assert [r["recipients"] for r in rows] == [["c@example.net"]]
+        return
+    assert long[0] == 250
+    assert [r["recipients"] for r in rows] == [["b@example.net"], ["c@example.net"]]
+    body = bytes(rows[0]["body"])
+    assert max(len(line) for line in body.split(b"\r\n")) <= 998
+    text = body.split(b"\r\n\r\n", 1)[1]
+    assert text.replace(b"\r\n", b"") == html.encode()  # broken before spaces only
+
+
 async def test_recipient_limit(tmp_path: Path, db_url: str, pool: asyncpg.Pool) -> None:
     settings = make_settings(tmp_path, db_url, make_tls(tmp_path), max_recipients=3)
     async with running_service(settings, pool) as running:

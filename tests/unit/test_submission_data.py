@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import email
+import email.policy
 import itertools
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pigeon_mta.submission.data import Data, DataProblem, read_data
+from pigeon_mta.submission.data import Data, DataProblem, fold_long_lines, read_data
 
 
 def stuff(lines: list[bytes]) -> bytes:
@@ -17,7 +20,12 @@ def stuff(lines: list[bytes]) -> bytes:
 
 
 async def feed(
-    wire: bytes, cuts: list[int], *, max_size: int | None = None, limit: int = 1001
+    wire: bytes,
+    cuts: list[int],
+    *,
+    max_size: int | None = None,
+    limit: int = 1001,
+    fold: bool = True,
 ) -> tuple[Data, bytes]:
     """Run read_data on `wire` arriving in pieces cut at `cuts`; also return what is left."""
     reader = asyncio.StreamReader(limit=limit)
@@ -30,7 +38,7 @@ async def feed(
         reader.feed_eof()
 
     feeder = asyncio.create_task(arrive())
-    data = await read_data(reader, max_size=max_size)
+    data = await read_data(reader, max_size=max_size, fold=fold)
     await feeder
     return data, await reader.read()
 
@@ -81,10 +89,35 @@ async def test_too_big_is_read_to_the_end_and_dropped() -> None:
 
 async def test_long_lines() -> None:
     ok = b"." + b"z" * 998 + b"\r\n.\r\n"  # a stuffed dot on a line of 998 octets
-    assert (await feed(ok, [400]))[0].content == b"z" * 998 + b"\r\n"
-    data, left = await feed(b"z" * (1024 * 1024) + b"\r\n.\r\nQUIT\r\n", [1, 70000])
+    data = (await feed(ok, [400]))[0]
+    assert (data.content, data.folded) == (b"z" * 998 + b"\r\n", 0)
+    huge = b"z" * (1024 * 1024) + b"\r\n.\r\nQUIT\r\n"
+    data, left = await feed(huge, [1, 70000], fold=False)
     assert data.problem is DataProblem.LINE_TOO_LONG
     assert left == b"QUIT\r\n"
+    data, left = await feed(huge, [1, 70000])
+    assert data.problem is None and data.folded == 1 and left == b"QUIT\r\n"
+    lines = data.content.split(b"\r\n")
+    assert max(len(line) for line in lines) == 998
+    assert b"".join(line.removeprefix(b" ") for line in lines) == b"z" * (1024 * 1024)
+
+
+def test_folding_keeps_headers_and_base64_meaning() -> None:
+    subject = b"Subject: " + b"word " * 400 + b"end"
+    encoded = base64.b64encode(bytes(range(256)) * 20)  # one 6,828-octet line
+    body = subject + b"\r\nX-Short: yes\r\n\r\n" + encoded + b"\r\n" + b"y" * 998 + b"\r\n"
+    folded, count = fold_long_lines(body)
+    assert count == 2
+    lines = folded.split(b"\r\n")
+    assert max(len(line) for line in lines) <= 998
+    # The header is folded at its spaces: unfolding (RFC 5322 2.2.3) gives it back as it was.
+    parsed = email.message_from_bytes(folded, policy=email.policy.compat32)
+    assert parsed["Subject"].replace("\r\n", "") == subject.decode()[len("Subject: ") :]
+    assert parsed["X-Short"] == "yes"
+    # base64 ignores the spaces that start the continuation parts.
+    assert base64.b64decode(parsed.get_payload().split("\r\n" + "y")[0]) == bytes(range(256)) * 20
+    assert lines[-2] == b"y" * 998  # a line of exactly 998 octets is left alone
+    assert fold_long_lines(b"short\r\n") == (b"short\r\n", 0)
 
 
 async def test_hang_up_mid_data() -> None:
