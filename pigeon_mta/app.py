@@ -75,7 +75,8 @@ MAX_UNLOGGED_EXPIRIES = 100_000
 
 @dataclass
 class Maintenance:
-    """Lease sweeper, expiry and queue stats: cheap periodic queries, one set per node."""
+    """Lease sweeper, expiry, delay warnings, retention and queue stats: cheap periodic queries,
+    one set per node."""
 
     settings: Settings
     pool: asyncpg.Pool
@@ -144,6 +145,22 @@ class Maintenance:
         if self._unlogged and self.on_expired is not None:
             await self.on_expired(self._unlogged)
             self._unlogged = []
+        warn_after = self.settings.bounces.delay_warning_after
+        if warn_after > 0:
+            warned = await store_bounces.warn_delayed(
+                self.pool,
+                after=warn_after,
+                max_age=self.settings.delivery.max_age,
+                hostname=self.settings.server.hostname,
+            )
+            if warned.recipients:
+                log.info(
+                    "delay warnings: %d recipient(s) still retried after %s; %d warning(s) "
+                    "queued for their senders",
+                    warned.recipients,
+                    format_duration(warn_after),
+                    len(warned.warnings),
+                )
         keep = self.settings.retention.messages
         if keep > 0:
             purged = await store_queue.purge_finished_messages(self.pool, older_than=keep)

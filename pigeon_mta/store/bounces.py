@@ -13,6 +13,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import asyncpg
 
@@ -22,6 +23,7 @@ from pigeon_mta.bounce import (
     OriginalMessage,
     RecipientReport,
     build_bounce,
+    build_delay_warning,
     header_section,
 )
 from pigeon_mta.ids import new_id
@@ -49,10 +51,10 @@ def messages_needing_bounces(
     return dict(grouped)
 
 
-# Everything a DSN needs about failed recipients: the recipient's last reply, the host that gave
+# Everything a DSN needs about the recipients it reports: the last reply, the host that gave
 # it (the latest attempt that reached one), and the original's sender, dates and header section
 # (a prefix of the body: bodies are stored uncompressed, so only that prefix is read).
-_FAILED_RECIPIENTS = """
+_REPORTED_RECIPIENTS = """
 SELECT r.id, r.message_id, r.address, r.status, r.last_code, r.last_enhanced_code,
        r.last_response, m.org_id, m.sender, m.header_message_id, m.received_at,
        substring(m.body FROM 1 FOR $2) AS head, a.mx_host, a.started_at
@@ -78,12 +80,26 @@ async def enqueue_bounces(
     """
     if not recipient_ids:
         return []
-    rows = await db.fetch(_FAILED_RECIPIENTS, list(recipient_ids), MAX_ORIGINAL_HEADER_BYTES + 4)
+    rows = await db.fetch(_REPORTED_RECIPIENTS, list(recipient_ids), MAX_ORIGINAL_HEADER_BYTES + 4)
+    failed = [row for row in rows if row["status"] in (Status.BOUNCED, Status.EXPIRED)]
+    dsns: list[tuple[uuid.UUID, Envelope]] = []
+    for original, message_rows in _originals(failed):
+        envelope = build_bounce(original, [_report(row) for row in message_rows], hostname=hostname)
+        if envelope is not None:
+            dsns.append((new_id(), envelope))
+    # All of this round's DSNs in one statement, with one NOTIFY sent at commit.
+    await store_queue.enqueue_many(db, dsns, notify=True)
+    return [queue_id for queue_id, _envelope in dsns]
+
+
+def _originals(
+    rows: Sequence[asyncpg.Record],
+) -> list[tuple[OriginalMessage, list[asyncpg.Record]]]:
+    """Rows of _REPORTED_RECIPIENTS (ordered by message) grouped per original message."""
     per_message: dict[uuid.UUID, list[asyncpg.Record]] = defaultdict(list)
     for row in rows:
-        if row["status"] in (Status.BOUNCED, Status.EXPIRED):
-            per_message[row["message_id"]].append(row)
-    dsns: list[tuple[uuid.UUID, Envelope]] = []
+        per_message[row["message_id"]].append(row)
+    grouped = []
     for message_rows in per_message.values():
         first = message_rows[0]
         original = OriginalMessage(
@@ -94,12 +110,8 @@ async def enqueue_bounces(
             header_message_id=first["header_message_id"],
             headers=header_section(bytes(first["head"])),
         )
-        envelope = build_bounce(original, [_report(row) for row in message_rows], hostname=hostname)
-        if envelope is not None:
-            dsns.append((new_id(), envelope))
-    # All of this round's DSNs in one statement, with one NOTIFY sent at commit.
-    await store_queue.enqueue_many(db, dsns, notify=True)
-    return [queue_id for queue_id, _envelope in dsns]
+        grouped.append((original, message_rows))
+    return grouped
 
 
 def _report(row: asyncpg.Record) -> RecipientReport:
@@ -191,6 +203,61 @@ async def expire_and_bounce(
         )
         bounces = await enqueue_bounces(conn, [e.recipient_id for e in expired], hostname=hostname)
     return Expired(recipients=expired, bounces=bounces)
+
+
+# ---------------------------------------------------------------- delay warnings
+
+# Deferred recipients (queued after an attempt) waiting longer than the warning age whose sender
+# was not told yet, marked as told; SKIP LOCKED: a row a claim holds is taken at a later round, and
+# two nodes never warn about the same row. The predicate is recipient_deferred's.
+_MARK_DELAYED = """
+WITH due AS (
+    SELECT id FROM recipient
+    WHERE status = 'queued' AND attempts > 0 AND delay_warned_at IS NULL
+      AND created_at < now() - make_interval(secs => $1)
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE recipient r SET delay_warned_at = now()
+FROM due WHERE r.id = due.id
+RETURNING r.id
+"""
+
+
+@dataclass(frozen=True)
+class Warned:
+    recipients: int  # recipients marked as warned (those of null-sender mail get no warning)
+    warnings: list[uuid.UUID]  # queue ids of the DSNs (Action: delayed) queued
+
+
+async def warn_delayed(
+    db: Executor,
+    *,
+    after: float,
+    max_age: float,
+    hostname: str,
+    limit: int = 1000,
+) -> Warned:
+    """Tell the senders of recipients still being retried `after` seconds after they were queued
+    (one DSN with Action: delayed per message and round, RFC 3464), once per recipient: the mark
+    and the DSNs commit together. The DSN says until when delivery will be tried (max_age)."""
+    async with _transaction(db) as conn:
+        marked = [r["id"] for r in await conn.fetch(_MARK_DELAYED, float(after), limit)]
+        if not marked:
+            return Warned(recipients=0, warnings=[])
+        rows = await conn.fetch(_REPORTED_RECIPIENTS, marked, MAX_ORIGINAL_HEADER_BYTES + 4)
+        dsns: list[tuple[uuid.UUID, Envelope]] = []
+        for original, message_rows in _originals(rows):
+            envelope = build_delay_warning(
+                original,
+                [_report(row) for row in message_rows],
+                hostname=hostname,
+                retry_until=original.received_at + timedelta(seconds=max_age),
+            )
+            if envelope is not None:
+                dsns.append((new_id(), envelope))
+        await store_queue.enqueue_many(conn, dsns, notify=True)
+    return Warned(recipients=len(marked), warnings=[queue_id for queue_id, _e in dsns])
 
 
 @contextlib.asynccontextmanager

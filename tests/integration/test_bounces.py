@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import email
 import email.message
 import email.policy
@@ -341,3 +342,60 @@ def test_messages_needing_bounces_groups_applied_failures_per_message() -> None:
     applied = {x.recipient_id for x in results} - {results[3].recipient_id}
     grouped = bounces.messages_needing_bounces(results, applied)
     assert grouped == {m1: [results[0].recipient_id, results[2].recipient_id]}
+
+
+async def test_delay_warning_tells_the_sender_once_per_recipient(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """bounces.delay_warning_after: deferred recipients older than it get one DSN per message
+    (Action: delayed, the last reply, until when delivery goes on); never a second one, none for
+    young or never-tried rows, none for null-sender mail (but it is marked, so not read again)."""
+    old = await send(pool, org_id, "a@example.net", "b@example.net")
+    young = await send(pool, org_id, "c@example.net")
+    await send(pool, org_id, "e@example.net", sender="")
+    greylisted = Reply(451, "4.7.1", "greylisted, come back later")
+    later = datetime.now(UTC) + timedelta(hours=1)
+    deferred = [
+        dataclasses.replace(
+            result(d, r.address, Outcome.DEFERRED, greylisted), next_attempt_at=later
+        )
+        for d in await claim_all(pool)
+        for r in d.recipients
+    ]
+    assert len(await queue.record_attempts(pool, deferred)) == 4
+    await send(pool, org_id, "d@example.net")  # old but never tried: not deferred
+    await pool.execute(
+        "UPDATE recipient SET created_at = now() - interval '2 hours' WHERE message_id <> $1",
+        young,
+    )
+
+    warned = await bounces.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
+
+    assert warned.recipients == 3  # a@, b@ and the null sender's e@
+    marked = await pool.fetch(
+        "SELECT address FROM recipient WHERE delay_warned_at IS NOT NULL ORDER BY address"
+    )
+    assert [r["address"] for r in marked] == ["a@example.net", "b@example.net", "e@example.net"]
+    dsns = await queued_dsns(pool)
+    assert [d["id"] for d in dsns] == warned.warnings and len(dsns) == 1
+    assert dsns[0]["rcpts"] == ["alice@example.com"]
+    body = bytes(dsns[0]["body"])
+    assert b"Subject: Delayed mail (still being retried)" in body
+    _about, *reported = delivery_status(body)
+    assert sorted(b["Final-Recipient"] for b in reported) == [
+        "rfc822; a@example.net",
+        "rfc822; b@example.net",
+    ]
+    for block in reported:
+        assert (block["Action"], block["Status"]) == ("delayed", "4.7.1")
+        assert block["Diagnostic-Code"] == "smtp; 451 4.7.1 greylisted, come back later"
+        assert block["Will-Retry-Until"]
+    # Nothing else moved: the warned recipients are still queued for their next try.
+    states = await pool.fetch(
+        "SELECT status, next_attempt_at FROM recipient WHERE message_id = $1", old
+    )
+    assert all(r["status"] == "queued" and r["next_attempt_at"] > datetime.now(UTC) for r in states)
+
+    again = await bounces.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
+    assert (again.recipients, again.warnings) == (0, [])
+    assert len(await queued_dsns(pool)) == 1

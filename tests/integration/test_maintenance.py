@@ -8,7 +8,7 @@ import uuid
 import asyncpg
 
 from pigeon_mta.app import Maintenance
-from pigeon_mta.config import DeliverySettings, Duration, Settings
+from pigeon_mta.config import BounceSettings, DeliverySettings, Duration, Settings
 from pigeon_mta.store.queue import ExpiredRecipient
 from tests.integration.queue_helpers import bulk_queue
 
@@ -41,3 +41,33 @@ async def test_expiries_whose_log_records_could_not_be_read_are_logged_next_roun
     assert [len(batch) for batch in handed] == [3, 5]
     assert {e.recipient_id for e in handed[0]} <= {e.recipient_id for e in handed[1]}
     assert await pool.fetchval("SELECT count(*) FROM recipient WHERE status = 'expired'") == 5
+
+
+async def test_delay_warnings_are_sent_only_when_configured(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """bounces.delay_warning_after = 0 (the default) sends none; set, the maintenance round
+    queues them for recipients deferred longer than it."""
+    await bulk_queue(pool, org_id, messages=2, recipients_per_message=2, age=7200, due_in=600)
+    await pool.execute("UPDATE recipient SET attempts = 1")  # deferred after one try
+
+    await Maintenance(Settings(), pool).sweep_once()
+    assert await warnings_queued(pool) == 0
+
+    settings = dataclasses.replace(
+        Settings(),
+        bounces=dataclasses.replace(BounceSettings(), delay_warning_after=Duration(3600)),
+    )
+    await Maintenance(settings, pool).sweep_once()
+    assert await warnings_queued(pool) == 2  # one per message, to sender@example.com
+    await Maintenance(settings, pool).sweep_once()
+    assert await warnings_queued(pool) == 2
+
+
+async def warnings_queued(pool: asyncpg.Pool) -> int:
+    return int(
+        await pool.fetchval(
+            """SELECT count(*) FROM message m JOIN recipient r ON r.message_id = m.id
+               WHERE m.sender = '' AND r.address = 'sender@example.com'"""
+        )
+    )
