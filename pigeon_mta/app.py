@@ -312,8 +312,10 @@ async def run_worker(settings: Settings, url: str, index: int, stop: asyncio.Eve
             except Exception:
                 log.exception("worker %d: stopping %s failed", index, service.name)
     finally:
-        await commit_pool.close()
-        await pool.close()
+        try:
+            await commit_pool.close()
+        finally:
+            await pool.close()
 
 
 def _worker_process_main(settings: Settings, url: str, index: int) -> None:

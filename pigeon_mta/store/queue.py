@@ -75,14 +75,10 @@ WITH m AS (
 SELECT {final}
 """
 _NOTIFY = f"pg_notify('{NOTIFY_CHANNEL}', '')"
-# (statement for one message, statement for several), by `notify`.
-_ENQUEUE = {
-    True: (
-        _ENQUEUE_ONE_TEMPLATE.format(final=_NOTIFY),
-        _ENQUEUE_MANY_TEMPLATE.format(final=_NOTIFY),
-    ),
-    False: (_ENQUEUE_ONE_TEMPLATE.format(final="1"), _ENQUEUE_MANY_TEMPLATE.format(final="1")),
-}
+_ENQUEUE_ONE = _ENQUEUE_ONE_TEMPLATE.format(final=_NOTIFY)
+_ENQUEUE_ONE_QUIET = _ENQUEUE_ONE_TEMPLATE.format(final="1")
+_ENQUEUE_MANY = _ENQUEUE_MANY_TEMPLATE.format(final=_NOTIFY)
+_ENQUEUE_MANY_QUIET = _ENQUEUE_MANY_TEMPLATE.format(final="1")
 
 
 async def enqueue(
@@ -117,11 +113,10 @@ async def enqueue_many(
     for _queue_id, envelope in batch:
         if not envelope.recipients:
             raise ValueError("a message needs at least one recipient")
-    one, many = _ENQUEUE[notify]
     if len(batch) == 1:
         queue_id, e = batch[0]
         await db.execute(
-            one,
+            _ENQUEUE_ONE if notify else _ENQUEUE_ONE_QUIET,
             queue_id,
             e.org_id,
             e.sender,
@@ -140,7 +135,7 @@ async def enqueue_many(
         return
     recipients = [(q, r) for q, envelope in batch for r in envelope.recipients]
     await db.execute(
-        many,
+        _ENQUEUE_MANY if notify else _ENQUEUE_MANY_QUIET,
         [q for q, _e in batch],
         [e.org_id for _q, e in batch],
         [e.sender for _q, e in batch],

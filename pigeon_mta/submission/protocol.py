@@ -167,14 +167,15 @@ class SMTPSession(SMTP):
                 else replies.LINE_TOO_LONG
             )
             return
-        if data.folded:
-            log.info(
-                "DATA from [%s]: %d line(s) over 998 octets folded (limits.long_lines)",
-                self.conversation.client_ip,
-                data.folded,
-            )
         self.envelope.content = self.envelope.original_content = data.content
         status = await self._call_handler_hook("DATA")
+        if data.folded:
+            log.info(
+                "%d line(s) over 998 octets folded (limits.long_lines) in the message from [%s]: %s",
+                data.folded,
+                self.conversation.client_ip,
+                status,
+            )
         self._set_post_data_state()  # type: ignore[no-untyped-call]
         await self.push(status)
 

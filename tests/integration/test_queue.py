@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -73,6 +74,52 @@ async def test_enqueue_is_atomic_when_a_recipient_insert_fails(
         await queue.enqueue_many(pool, batch)
     assert await count(pool, "message") == 0
     assert await count(pool, "recipient") == 0
+
+
+async def test_a_lone_message_and_a_batch_write_the_same_rows(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """A lone message has a statement of its own; it must write what the batch statement does."""
+    credential = await pool.fetchval(
+        "INSERT INTO credential (id, org_id, username, password_hash) "
+        "VALUES (gen_random_uuid(), $1, 'app', 'x') RETURNING id",
+        org_id,
+    )
+    full = dataclasses.replace(
+        envelope(org_id, "a@one.example", "B@Two.Example"),
+        client_helo="client.test",
+        credential_id=credential,
+        auth_user="app",
+    )
+    alone = await queue.enqueue(pool, full, notify=False)
+    batched = uuid.uuid4()
+    await queue.enqueue_many(pool, [(batched, full), (uuid.uuid4(), envelope(org_id))])
+
+    def comparable(row: asyncpg.Record) -> dict[str, object]:
+        skip = {"id", "message_id", "received_at", "created_at", "updated_at", "next_attempt_at"}
+        return {k: v for k, v in dict(row).items() if k not in skip}
+
+    messages = {
+        qid: comparable(await pool.fetchrow("SELECT * FROM message WHERE id = $1", qid))
+        for qid in (alone, batched)
+    }
+    assert messages[alone] == messages[batched]
+    assert messages[alone]["client_helo"] == "client.test" and messages[alone]["auth_user"] == "app"
+    recipients = {
+        qid: [
+            comparable(r)
+            for r in await pool.fetch(
+                "SELECT * FROM recipient WHERE message_id = $1 ORDER BY address", qid
+            )
+        ]
+        for qid in (alone, batched)
+    }
+    assert recipients[alone] == recipients[batched] and len(recipients[alone]) == 2
+    timing = await pool.fetch(
+        "SELECT r.created_at = m.received_at AND r.next_attempt_at = m.received_at AS same "
+        "FROM recipient r JOIN message m ON m.id = r.message_id"
+    )
+    assert all(t["same"] for t in timing)
 
 
 async def test_enqueue_notifies_only_on_commit(

@@ -123,3 +123,46 @@ def test_folding_keeps_headers_and_base64_meaning() -> None:
 async def test_hang_up_mid_data() -> None:
     with pytest.raises(asyncio.IncompleteReadError):
         await feed(b"Subject: x\r\n\r\nbody", [3])
+
+
+async def test_bare_lf_lines_are_measured_as_lines_and_folded_after_becoming_crlf() -> None:
+    """Many applications end lines with a bare LF (submission.fixups makes them CRLF): such a
+    message is not one long line. Short LF lines stay as they are; a long one is folded."""
+    short = b"Subject: hi\nTo: b@example.net\n\n" + b"a line of text\n" * 80
+    data = (await feed(short + b"\r\n.\r\n", [100]))[0]
+    assert (data.content, data.folded) == (short + b"\r\n", 0)
+    long_header = b"References: " + b" ".join(b"<id%d@example.com>" % n for n in range(80))
+    wire = long_header + b"\nSubject: hi\n\n" + b"x" * 1500 + b"\nend\r\n.\r\n"
+    data = (await feed(wire, [700]))[0]
+    assert data.folded == 2
+    parsed = email.message_from_bytes(data.content, policy=email.policy.compat32)
+    assert parsed["Subject"] == "hi"  # the header section did not end early
+    assert parsed["References"].replace("\r\n", "") == long_header.decode()[len("References: ") :]
+    lines = data.content.split(b"\r\n")
+    assert b"\n" not in data.content.replace(b"\r\n", b"")
+    assert max(len(line) for line in lines) <= 998 and lines[-2] == b"end"
+
+
+@pytest.mark.parametrize(
+    ("line", "parts"),
+    [
+        (b"y" * 999, [b"y" * 998, b" y"]),  # one octet over: a hard cut
+        (b"a" * 600 + b"\t" + b"b" * 600, [b"a" * 600, b"\t" + b"b" * 600]),  # a tab is a fold
+        # The run of white space goes to the next part, whole.
+        (b"a" * 900 + b"   " + b"b" * 200, [b"a" * 900, b"   " + b"b" * 200]),
+        # Only white space before the limit: a hard cut, no part that is all white space.
+        (b" " * 10 + b"c" * 1200, [b" " * 10 + b"c" * 988, b" " + b"c" * 212]),
+        (b" " * 2000, [b" " * 998, b" " * 998, b" " * 6]),
+    ],
+    ids=["999 octets", "tab", "white-space run", "leading white space", "all white space"],
+)
+def test_fold_points(line: bytes, parts: list[bytes]) -> None:
+    folded, count = fold_long_lines(b"Subject: x\r\n\r\n" + line + b"\r\n")
+    assert folded.split(b"\r\n")[2:-1] == parts and count == 1
+
+
+def test_a_25_mib_line_folds_into_998_octet_parts() -> None:
+    folded, count = fold_long_lines(b"z" * (25 << 20))
+    parts = folded.split(b"\r\n")
+    assert count == 1 and len(parts) == -(-((25 << 20) - 998) // 997) + 1
+    assert parts[0] == b"z" * 998 and all(p == b" " + b"z" * 997 for p in parts[1:-1])
