@@ -128,6 +128,12 @@ async def main() -> None:
     parser.add_argument("--minutes", type=float, default=30)
     parser.add_argument("--rate", type=float, default=200, help="offered msgs/s (half capacity)")
     parser.add_argument("--every", type=float, default=30)
+    parser.add_argument(
+        "--delay-warning-after",
+        default="0",
+        help='bounces.delay_warning_after (e.g. "5s": the 451-once recipients, retried after 10 s, '
+        "get delay warnings; each recipient at most one)",
+    )
     args = parser.parse_args()
     name = f"pigeon_soak_{os.getpid()}"
     admin = await asyncpg.connect(args.url)
@@ -154,6 +160,8 @@ relayhost = "127.0.0.2:{sink_port}"
 relayhost_tls = "none"
 retry_initial = "10s"
 retry_max = "30s"
+[bounces]
+delay_warning_after = "{args.delay_warning_after}"
 [metrics]
 listen = "127.0.0.1:{free_port()}"
 [log]
@@ -225,6 +233,15 @@ delivery_log = "{work}/delivery.log"
             )
         }
         dsns = int(await conn.fetchval("SELECT count(*) FROM message WHERE listener = 'bounce'"))
+        warnings = int(
+            await conn.fetchval(
+                "SELECT count(*) FROM message WHERE listener = 'bounce' "
+                "AND position('Action: delayed'::bytea IN body) > 0"
+            )
+        )
+        warned = int(
+            await conn.fetchval("SELECT count(*) FROM recipient WHERE delay_warned_at IS NOT NULL")
+        )
         messages = int(await conn.fetchval("SELECT count(*) FROM message WHERE listener = 'relay'"))
         print(
             f"# soak {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {args.minutes:g} min at {args.rate:g} msgs/s offered"
@@ -233,6 +250,10 @@ delivery_log = "{work}/delivery.log"
             f"| accepted (250) | {stats['accepted']} | refused | {stats['refused']} | rows | {messages} |"
         )
         print(f"| final states | {by_status} | DSNs queued | {dsns} |")
+        print(
+            f"| of those, delay warnings (Action: delayed) | {warnings} | recipients marked warned "
+            f"| {warned} |"
+        )
         unaccounted = stats["accepted"] - sum(
             n for s, n in by_status.items() if s in ("delivered", "bounced")
         )

@@ -528,6 +528,12 @@ def _check(settings: Settings) -> None:
             ) from None
     if settings.database.pool_size < 1:
         raise ConfigError("'database.pool_size' must be at least 1")
+    warn_after = settings.bounces.delay_warning_after
+    if warn_after < 0 or (warn_after > 0 and warn_after >= delivery.max_age):
+        raise ConfigError(
+            "'bounces.delay_warning_after' must be 0 (no warnings) or less than "
+            "'delivery.max_age' (the recipient expires then)"
+        )
 
 
 def _check_outbound(delivery: DeliverySettings) -> None:

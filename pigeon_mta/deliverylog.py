@@ -8,8 +8,11 @@ functions, so the file and the command never disagree on a field.
 
 The submission side calls `reception()` after the commit and before the `250`; the engine calls
 `attempts()` after `record_attempts`. Writes are synchronous `os.write` calls of whole lines: with
-O_APPEND each write lands at the end of the file whatever other processes write, and on a pipe no
-write is longer than PIPE_BUF, so lines from several processes never interleave.
+O_APPEND each write lands at the end of the file whatever other processes write. On stdout (a pipe
+or socket to journald or a container runtime) only a write of at most PIPE_BUF bytes is whole, so
+no write is longer: a record that would be (a long remote reply, say) has its longest text values
+shortened, marked "[truncated]", to fit; the database keeps them whole (`pigeon-mta log`). So lines
+from several processes never interleave.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import logging
 import os
 import select
+import stat
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -249,12 +253,16 @@ def to_json_line(record: Record) -> str:
 
 
 class _Sink(Protocol):
+    max_line: int | None  # the longest write that lands whole, None: any
+
     def write(self, data: bytes) -> None: ...
 
     def close(self) -> None: ...
 
 
 class _NoSink:
+    max_line: int | None = None
+
     def write(self, data: bytes) -> None:
         pass
 
@@ -267,6 +275,13 @@ class _FdSink:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        # A regular file opened for appending takes a write whole; a pipe or socket only up to
+        # PIPE_BUF bytes.
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        except OSError:
+            regular = False
+        self.max_line: int | None = None if regular else select.PIPE_BUF
 
     def write(self, data: bytes) -> None:
         _write_all(self.fd, data)
@@ -279,6 +294,7 @@ class _FileSink:
     """A file opened for appending; reopened when it was renamed away (log rotation)."""
 
     REOPEN_CHECK_INTERVAL = 1.0
+    max_line: int | None = None  # an O_APPEND write to a regular file lands whole
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -315,6 +331,30 @@ def _write_all(fd: int, data: bytes) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
+
+
+TRUNCATED = "[truncated]"
+
+
+def _line(record: Record, limit: int | None) -> bytes:
+    """The record as a line of at most `limit` bytes: its longest text values shortened (marked
+    TRUNCATED) until it fits, or until none is longer than the mark."""
+    line = (to_json_line(record) + "\n").encode()
+    if limit is None or len(line) <= limit:
+        return line
+    fields = dict(record)
+    while len(line) > limit:
+        texts = [k for k, v in fields.items() if isinstance(v, str) and len(v) > 2 * len(TRUNCATED)]
+        if not texts:
+            break
+        key = max(texts, key=lambda k: len(fields[k].encode()))
+        value = fields[key]
+        # Each character is at least one byte of the line: cutting `excess` of them and the mark's
+        # length more makes the line shorter every round.
+        keep = max(len(TRUNCATED), len(value) - (len(line) - limit) - len(TRUNCATED))
+        fields[key] = value[:keep] + TRUNCATED
+        line = (to_json_line(fields) + "\n").encode()
+    return line
 
 
 def _chunks(lines: Sequence[bytes], limit: int = select.PIPE_BUF) -> Iterable[bytes]:
@@ -374,7 +414,7 @@ class DeliveryLog:
     def write(self, records: Sequence[Record]) -> None:
         if not records:
             return
-        lines = [(to_json_line(r) + "\n").encode() for r in records]
+        lines = [_line(r, self._sink.max_line) for r in records]
         try:
             for chunk in _chunks(lines):
                 self._sink.write(chunk)

@@ -235,7 +235,16 @@ async def cmd_show(args: argparse.Namespace) -> int:
     print_rows(
         args,
         [_recipient(r, full=False) for r in detail.recipients],
-        ["id", "address", "status", "attempts", "next_attempt_at", "lease_owner", "last_reply"],
+        [
+            "id",
+            "address",
+            "status",
+            "attempts",
+            "next_attempt_at",
+            "lease_owner",
+            "delay_warned_at",
+            "last_reply",
+        ],
     )
     if detail.attempts:
         print()

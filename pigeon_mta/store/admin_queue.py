@@ -85,11 +85,14 @@ class Selection:
 # ---------------------------------------------------------------- bulk actions
 
 # The new state of a row an action touches. A retried bounce or expiry gets a fresh max_age from
-# now (created_at restarts); otherwise the expiry would take it back at its next pass.
+# now (created_at restarts; otherwise the expiry would take it back at its next pass), and its
+# sender may be warned of a delay again in that new life.
 _SET = {
     "retry": """status = 'queued', next_attempt_at = now(), updated_at = now(),
                 created_at = CASE WHEN r.status IN ('bounced', 'expired') THEN now()
-                                  ELSE r.created_at END""",
+                                  ELSE r.created_at END,
+                delay_warned_at = CASE WHEN r.status IN ('bounced', 'expired') THEN NULL
+                                       ELSE r.delay_warned_at END""",
     "cancel": """status = 'cancelled', lease_until = NULL, lease_owner = NULL,
                  updated_at = now()""",
 }
@@ -172,6 +175,7 @@ class RecipientRow:
     last_code: int | None
     last_enhanced_code: str | None
     last_response: str | None
+    delay_warned_at: datetime | None  # when its sender was warned of the delay (bounces)
 
     @property
     def last_reply(self) -> str | None:
@@ -181,7 +185,7 @@ class RecipientRow:
 
 _ROW_COLUMNS = """r.id, r.message_id AS queue_id, o.name AS org, m.sender, r.address, r.status,
     r.attempts, r.created_at, r.next_attempt_at, r.lease_owner, r.last_code,
-    r.last_enhanced_code, r.last_response"""
+    r.last_enhanced_code, r.last_response, r.delay_warned_at"""
 
 
 def _recipient_row(row: asyncpg.Record) -> RecipientRow:

@@ -55,7 +55,7 @@ def messages_needing_bounces(
 # it (the latest attempt that reached one), and the original's sender, dates and header section
 # (a prefix of the body: bodies are stored uncompressed, so only that prefix is read).
 _REPORTED_RECIPIENTS = """
-SELECT r.id, r.message_id, r.address, r.status, r.last_code, r.last_enhanced_code,
+SELECT r.id, r.message_id, r.address, r.status, r.created_at, r.last_code, r.last_enhanced_code,
        r.last_response, m.org_id, m.sender, m.header_message_id, m.received_at,
        substring(m.body FROM 1 FOR $2) AS head, a.mx_host, a.started_at
 FROM recipient r
@@ -208,13 +208,15 @@ async def expire_and_bounce(
 # ---------------------------------------------------------------- delay warnings
 
 # Deferred recipients (queued after an attempt) waiting longer than the warning age whose sender
-# was not told yet, marked as told; SKIP LOCKED: a row a claim holds is taken at a later round, and
-# two nodes never warn about the same row. The predicate is recipient_deferred's.
+# was not told yet, oldest first, marked as told; SKIP LOCKED: a row a claim holds is taken at a
+# later round, and two nodes never warn about the same row. The predicate is recipient_warn_due's
+# (migration 0009), which holds only such rows.
 _MARK_DELAYED = """
 WITH due AS (
     SELECT id FROM recipient
     WHERE status = 'queued' AND attempts > 0 AND delay_warned_at IS NULL
       AND created_at < now() - make_interval(secs => $1)
+    ORDER BY created_at
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 )
@@ -240,7 +242,10 @@ async def warn_delayed(
 ) -> Warned:
     """Tell the senders of recipients still being retried `after` seconds after they were queued
     (one DSN with Action: delayed per message and round, RFC 3464), once per recipient: the mark
-    and the DSNs commit together. The DSN says until when delivery will be tried (max_age)."""
+    and the DSNs commit together. A recipient being delivered when its message's others are
+    warned is warned at a later round if it is deferred again, in a DSN of its own. The DSN says
+    until when delivery will be tried: the earliest expiry (created_at + max_age) among those it
+    names, so that it promises no try that will not happen."""
     async with _transaction(db) as conn:
         marked = [r["id"] for r in await conn.fetch(_MARK_DELAYED, float(after), limit)]
         if not marked:
@@ -252,7 +257,8 @@ async def warn_delayed(
                 original,
                 [_report(row) for row in message_rows],
                 hostname=hostname,
-                retry_until=original.received_at + timedelta(seconds=max_age),
+                retry_until=min(row["created_at"] for row in message_rows)
+                + timedelta(seconds=max_age),
             )
             if envelope is not None:
                 dsns.append((new_id(), envelope))

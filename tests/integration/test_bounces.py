@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import email
 import email.message
 import email.policy
+import email.utils
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -15,8 +17,9 @@ import pytest
 from pigeon_mta.bounce import DSN_LISTENER
 from pigeon_mta.bounce_classify import classify_reply
 from pigeon_mta.model import AttemptResult, Delivery, Envelope, Outcome, Reply
-from pigeon_mta.store import bounces, queue, suppression
+from pigeon_mta.store import admin_queue, bounces, queue, suppression
 from tests.integration.queue_helpers import bulk_queue
+from tests.integration.test_queue import _recipient_scans
 
 HOST = "mta.example.org"
 OWNER = "node-a"
@@ -389,7 +392,10 @@ async def test_delay_warning_tells_the_sender_once_per_recipient(
     for block in reported:
         assert (block["Action"], block["Status"]) == ("delayed", "4.7.1")
         assert block["Diagnostic-Code"] == "smtp; 451 4.7.1 greylisted, come back later"
-        assert block["Will-Retry-Until"]
+        # Tried until the recipients expire: queued 2 hours ago, max_age 5 days.
+        until = email.utils.parsedate_to_datetime(block["Will-Retry-Until"])
+        expected = datetime.now(UTC) - timedelta(hours=2) + timedelta(days=5)
+        assert abs((until - expected).total_seconds()) < 60, (until, expected)
     # Nothing else moved: the warned recipients are still queued for their next try.
     states = await pool.fetch(
         "SELECT status, next_attempt_at FROM recipient WHERE message_id = $1", old
@@ -399,3 +405,79 @@ async def test_delay_warning_tells_the_sender_once_per_recipient(
     again = await bounces.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
     assert (again.recipients, again.warnings) == (0, [])
     assert len(await queued_dsns(pool)) == 1
+
+
+async def deferred_for(
+    pool: asyncpg.Pool, org_id: uuid.UUID, messages: int, *, hours: float = 2
+) -> None:
+    """`messages` messages of one recipient each, tried once, deferred, queued `hours` ago."""
+    await bulk_queue(pool, org_id, messages=messages, age=hours * 3600, due_in=600)
+    await pool.execute(
+        """UPDATE recipient SET attempts = 1, last_code = 451, last_enhanced_code = '4.3.0',
+                  last_response = 'try later' WHERE attempts = 0 AND message_id IN (
+               SELECT id FROM message WHERE sender <> '')"""
+    )
+
+
+async def test_delay_warnings_work_off_a_backlog_oldest_first_and_concurrently_once(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """More due than one round takes: the rest at the next rounds, oldest first; two rounds at
+    once (two nodes) never warn about the same recipient."""
+    await deferred_for(pool, org_id, 3, hours=3)
+    await deferred_for(pool, org_id, 4, hours=2)
+    first = await bounces.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST, limit=3)
+    oldest = await pool.fetch("SELECT created_at FROM recipient WHERE delay_warned_at IS NOT NULL")
+    assert first.recipients == 3
+    assert all(r["created_at"] < datetime.now(UTC) - timedelta(hours=2.5) for r in oldest)
+    rounds = await asyncio.gather(
+        *(
+            bounces.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST, limit=3)
+            for _ in range(2)
+        )
+    )
+    assert sorted(r.recipients for r in rounds) in ([1, 3], [0, 3], [0, 4], [2, 2], [1, 2])
+    assert sum(r.recipients for r in rounds) == 4
+    assert len(await queued_dsns(pool)) == 7  # one per message, none twice
+    assert (
+        await bounces.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST)
+    ).recipients == 0
+
+
+async def test_the_delay_warning_round_reads_only_what_is_due(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """With thousands of rows queued and deferred rows already warned, the round goes through
+    recipient_warn_due (it holds only rows not warned yet), never over the whole queue."""
+    await bulk_queue(pool, org_id, messages=5000, due_in=3600)
+    await deferred_for(pool, org_id, 3000)
+    await pool.execute("UPDATE recipient SET delay_warned_at = now() WHERE attempts > 0")
+    await deferred_for(pool, org_id, 5)
+    await pool.execute("ANALYZE recipient")
+    async with pool.acquire() as conn:
+        scans = await _recipient_scans(conn, bounces._MARK_DELAYED, 3600.0, 1000)
+    assert ("Index Scan", "recipient_warn_due") in scans, scans
+    assert all(kind != "Seq Scan" for kind, _ in scans), scans
+    assert all(name in ("recipient_warn_due", "recipient_pkey", None) for _, name in scans), scans
+    warned = await bounces.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST)
+    assert warned.recipients == 5
+
+
+async def test_a_retried_bounce_may_be_warned_again_a_retried_deferral_not(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """`pigeon-mta queue retry` of a bounced or expired recipient starts a new life in the queue
+    (created_at restarts), so its sender may be warned again; retrying a deferred one is a nudge."""
+    await deferred_for(pool, org_id, 2)
+    await bounces.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST)
+    first, second = await pool.fetch("SELECT id FROM recipient WHERE attempts > 0 ORDER BY id")
+    await pool.execute("UPDATE recipient SET status = 'bounced' WHERE id = $1", first["id"])
+    async with pool.acquire() as conn:
+        selection = admin_queue.Selection(ids=(first["id"], second["id"]))
+        done = await admin_queue.bulk_action(conn, "retry", selection, dry_run=False)
+    assert done.count == 2
+    marks = {
+        r["id"]: r["delay_warned_at"]
+        for r in await pool.fetch("SELECT id, delay_warned_at FROM recipient")
+    }
+    assert marks[first["id"]] is None and marks[second["id"]] is not None

@@ -68,6 +68,7 @@ async def warnings_queued(pool: asyncpg.Pool) -> int:
     return int(
         await pool.fetchval(
             """SELECT count(*) FROM message m JOIN recipient r ON r.message_id = m.id
-               WHERE m.sender = '' AND r.address = 'sender@example.com'"""
+               WHERE m.sender = '' AND r.address = 'sender@example.com'
+                 AND position('Action: delayed'::bytea IN m.body) > 0"""
         )
     )

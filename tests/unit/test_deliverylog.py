@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY
 
+from pigeon_mta import deliverylog
 from pigeon_mta.deliverylog import (
     EVENT_FIELDS,
     DeliveryLog,
@@ -197,6 +199,25 @@ def test_several_processes_share_stdout_without_mixing_lines(tmp_path: Path) -> 
     )
     assert out.returncode == 0, out.stderr
     _assert_whole_lines(out.stdout, writers=3)
+    # On a pipe only PIPE_BUF bytes are written whole: the 5,000-octet replies were shortened.
+    lines = out.stdout.encode().splitlines(keepends=True)
+    assert max(len(line) for line in lines) <= select.PIPE_BUF
+    cut = [json.loads(line)["response"] for line in lines if b"[truncated]" in line]
+    assert len(cut) == 3 * sum(1 for batch in range(60) if 1 + batch % 7 > 3)
+    assert all(r.startswith("xxxx") and r.endswith("[truncated]") for r in cut)
+
+
+def test_a_record_too_long_for_a_pipe_keeps_its_fields_and_is_valid_json() -> None:
+    record = {"event": "Delivery", "recipient": "b@example.net", "response": 'é"' * 3000}
+    line = deliverylog._line(record, 4096)
+    assert len(line) <= 4096 and line.endswith(b"\n")
+    parsed = json.loads(line)
+    assert list(parsed) == list(record) and parsed["recipient"] == "b@example.net"
+    assert parsed["response"].startswith('é"é') and parsed["response"].endswith("[truncated]")
+    assert (
+        deliverylog._line(record, None)
+        == (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+    )
 
 
 def _assert_whole_lines(text: str, writers: int) -> None:
