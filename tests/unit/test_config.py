@@ -118,6 +118,11 @@ def test_config_env_variable_names_the_file(tmp_path: Path) -> None:
         ('[delivery]\nrelayhost = "smtp.example:x"\n', "'delivery.relayhost'"),
         ('[dns]\nnameservers = ["resolver.example"]\n', "'dns.nameservers[0]'"),
         ("[server\n", "not valid TOML"),
+        ('[limits]\nlong_lines = "wrap"\n', "'limits.long_lines'"),
+        (
+            '[delivery]\nmax_age = "1d"\n[bounces]\ndelay_warning_after = "1d"\n',
+            "'bounces.delay_warning_after' must be 0 (no warnings) or less than",
+        ),
     ],
 )
 def test_each_mistake_names_its_key(tmp_path: Path, text: str, expected: str) -> None:
