@@ -110,6 +110,9 @@ class ClaimedRecipient:
     id: uuid.UUID
     address: str
     attempts: int  # including the attempt this claim is for; doubles as a fencing token
+    # When this recipient's time in the queue began (its created_at; `queue retry` of a bounce or
+    # expiry starts it again): delivery.max_age counts from here, for the engine as for expiry.
+    queued_at: datetime
     # The reason, when the org's suppression list held the address at the claim: not attempted.
     suppressed: str | None = None
 

@@ -483,7 +483,7 @@ class DeliveryEngine:
         """Each recipient's result -> an AttemptResult: outcome, next try, or expiry."""
         settings = self.delivery
         now = datetime.now(UTC)
-        give_up_at = delivery.received_at + timedelta(seconds=settings.max_age)
+        max_age = timedelta(seconds=settings.max_age)
         out: list[AttemptResult] = []
         for item in results:
             verdict = classify(item.result, item.stage)
@@ -493,7 +493,7 @@ class DeliveryEngine:
                     item.recipient.attempts, settings.retry_initial, settings.retry_max, self._rng
                 )
                 next_at = now + timedelta(seconds=delay)
-                if next_at > give_up_at:
+                if next_at > item.recipient.queued_at + max_age:
                     # The next try would come after max_age: give up now, with this reply.
                     outcome, rule, next_at = Outcome.EXPIRED, f"{rule}; max-age", None
             elif outcome == Outcome.DELIVERED:

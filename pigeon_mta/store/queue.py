@@ -178,10 +178,10 @@ WITH c AS (
         ORDER BY next_attempt_at
         LIMIT $3
         FOR UPDATE SKIP LOCKED))
-    RETURNING r.id, r.message_id, r.domain, r.address, r.attempts
+    RETURNING r.id, r.message_id, r.domain, r.address, r.attempts, r.created_at
 )
 SELECT m.id AS message_id, m.org_id, m.sender, m.header_message_id, m.received_at, c.domain,
-       c.id, c.address, c.attempts,
+       c.id, c.address, c.attempts, c.created_at,
        -- Each body once, on one row of its message, however many recipients and destination
        -- domains it has (a large message to a hundred recipients is read and sent once).
        CASE WHEN row_number() OVER (PARTITION BY m.id) = 1 THEN m.body END AS body,
@@ -224,6 +224,7 @@ async def claim_due_recipients(
                         id=r["id"],
                         address=r["address"],
                         attempts=r["attempts"],
+                        queued_at=r["created_at"],
                         suppressed=r["suppressed"],
                     )
                     for r in members

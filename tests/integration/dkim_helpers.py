@@ -65,5 +65,5 @@ def delivery(org_id: uuid.UUID, body: bytes, recipient: str = "bob@example.net")
         header_message_id=None,
         received_at=datetime.now(UTC),
         body=body,
-        recipients=(ClaimedRecipient(new_id(), recipient, 1),),
+        recipients=(ClaimedRecipient(new_id(), recipient, 1, datetime.now(UTC)),),
     )

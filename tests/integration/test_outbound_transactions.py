@@ -148,15 +148,29 @@ async def test_a_deferral_whose_next_try_would_pass_max_age_expires_instead(
 ) -> None:
     settings = world.settings(db_url, max_age=3600, retry_initial=60, retry_max=60)
     qid = await send(pool, org_id, "bob@servfail.test")
-    # The message has waited almost max_age already.
+    retried = await send(pool, org_id, "carol@servfail.test")
+    # Both messages were received almost max_age ago; bob has waited all that time, carol's
+    # time in the queue began again just now (an operator's `queue retry` of her expiry): max_age
+    # counts from the recipient's created_at, as the sweeper's expiry does.
     await pool.execute(
-        "UPDATE message SET received_at = now() - interval '3590 seconds' WHERE id = $1", qid
+        "UPDATE message SET received_at = now() - interval '3590 seconds' WHERE id = ANY ($1)",
+        [qid, retried],
+    )
+    await pool.execute(
+        "UPDATE recipient SET created_at = now() - interval '3590 seconds' WHERE message_id = $1",
+        qid,
     )
     async with running_engine(settings, pool, db_url):
         assert await wait_final(pool, qid) == {"bob@servfail.test": "expired"}
+        for _ in range(100):
+            [carol] = await attempts(pool, retried) or [None]
+            if carol is not None:
+                break
+            await asyncio.sleep(0.05)
     [row] = await attempts(pool, qid)
     assert row["outcome"] == "expired" and row["enhanced_code"] == "4.4.3"
     assert row["next_attempt_at"] is None
+    assert carol is not None and carol["outcome"] == "deferred" and carol["next_attempt_at"]
 
 
 async def test_the_sign_step_decides_the_bytes_that_are_sent(

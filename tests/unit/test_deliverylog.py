@@ -53,7 +53,14 @@ def delivery() -> Delivery:
         header_message_id="m1@example.com",
         received_at=WHEN,
         body=b"",
-        recipients=(ClaimedRecipient(id=uuid.UUID(int=1), address="bob@example.net", attempts=2),),
+        recipients=(
+            ClaimedRecipient(
+                id=uuid.UUID(int=1),
+                address="bob@example.net",
+                attempts=2,
+                queued_at=datetime(2026, 1, 1, tzinfo=UTC),
+            ),
+        ),
     )
 
 
