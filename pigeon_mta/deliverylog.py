@@ -4,7 +4,8 @@ Events are per recipient: Reception (the message was queued), then Delivery, Tra
 Bounce, Expiration or Suppressed for each attempt or final decision. Every record has the contract
 fields (`EVENT_FIELDS`) in that order, then a few extras. The same events are in the database (the
 message row and the attempt rows); `pigeon-mta log --json` rebuilds them from there with the same
-functions, so the file and the command never disagree on a field.
+functions, so the file and the command never disagree on a field (but for free text shortened on
+stdout, see below).
 
 The submission side calls `reception()` after the commit and before the `250`; the engine calls
 `attempts()` after `record_attempts`. Writes are synchronous `os.write` calls of whole lines: with
@@ -277,10 +278,7 @@ class _FdSink:
         self.fd = fd
         # A regular file opened for appending takes a write whole; a pipe or socket only up to
         # PIPE_BUF bytes.
-        try:
-            regular = stat.S_ISREG(os.fstat(fd).st_mode)
-        except OSError:
-            regular = False
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
         self.max_line: int | None = None if regular else select.PIPE_BUF
 
     def write(self, data: bytes) -> None:
@@ -334,27 +332,46 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 TRUNCATED = "[truncated]"
+# The free-text fields a record may be shortened in; identifiers, addresses and times never are.
+SHORTENED_FIELDS = ("response", "message_id", "helo")
 
 
 def _line(record: Record, limit: int | None) -> bytes:
-    """The record as a line of at most `limit` bytes: its longest text values shortened (marked
-    TRUNCATED) until it fits, or until none is longer than the mark."""
-    line = (to_json_line(record) + "\n").encode()
+    """The record as a line of at most `limit` bytes: its longest free-text field (then the next)
+    cut to the longest prefix that fits and marked TRUNCATED, until the line fits or no free text
+    is left to cut."""
+    line = _json_line(record)
     if limit is None or len(line) <= limit:
         return line
     fields = dict(record)
-    while len(line) > limit:
-        texts = [k for k, v in fields.items() if isinstance(v, str) and len(v) > 2 * len(TRUNCATED)]
-        if not texts:
-            break
-        key = max(texts, key=lambda k: len(fields[k].encode()))
-        value = fields[key]
-        # Each character is at least one byte of the line: cutting `excess` of them and the mark's
-        # length more makes the line shorter every round.
-        keep = max(len(TRUNCATED), len(value) - (len(line) - limit) - len(TRUNCATED))
-        fields[key] = value[:keep] + TRUNCATED
-        line = (to_json_line(fields) + "\n").encode()
-    return line
+    texts = sorted(
+        (k for k in SHORTENED_FIELDS if isinstance(fields.get(k), str)),
+        key=lambda k: len(fields[k].encode()),
+        reverse=True,
+    )
+    for key in texts:
+        encoded = fields[key].encode()
+
+        def cut(keep: int, key: str = key, encoded: bytes = encoded) -> bytes:
+            fields[key] = encoded[:keep].decode(errors="ignore") + TRUNCATED
+            return _json_line(fields)
+
+        # The longest prefix (in bytes) with which the line fits; a few encodings of one record.
+        low, high = 0, len(encoded) - 1
+        if len(cut(low)) > limit:
+            continue  # even empty it does not fit: cut the next field too
+        while low < high:
+            middle = (low + high + 1) // 2
+            if len(cut(middle)) <= limit:
+                low = middle
+            else:
+                high = middle - 1
+        return cut(low)
+    return _json_line(fields)
+
+
+def _json_line(record: Record) -> bytes:
+    return (to_json_line(record) + "\n").encode()
 
 
 def _chunks(lines: Sequence[bytes], limit: int = select.PIPE_BUF) -> Iterable[bytes]:
@@ -388,6 +405,12 @@ class DeliveryLog:
         if target == "":
             return cls(_NoSink(), "off")
         if target == "-":
+            try:
+                os.fstat(1)
+            except OSError:
+                # Writing to descriptor 1 could reach whatever file or socket takes it next.
+                log.warning("stdout is closed: the delivery log is written nowhere")
+                return cls(_NoSink(), "off (stdout is closed)")
             return cls(_FdSink(1), "stdout")
         return cls(_FileSink(os.path.expanduser(target)), target)
 

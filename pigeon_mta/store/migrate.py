@@ -47,6 +47,11 @@ async def migrate(conn: asyncpg.Connection) -> list[Migration]:
     second waits, then finds everything recorded and applies nothing.
     """
     applied_now: list[Migration] = []
+    # The service's statement_timeout is for queue queries: a migration that builds an index reads
+    # the whole table, which on a large queue takes longer, and waiting for another node's
+    # migration takes as long as that. Set back when done.
+    timeout = await conn.fetchval("SHOW statement_timeout")
+    await conn.execute("SET statement_timeout = 0")
     await conn.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK_KEY)
     try:
         await conn.execute(
@@ -70,6 +75,7 @@ async def migrate(conn: asyncpg.Connection) -> list[Migration]:
             applied_now.append(migration)
     finally:
         await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK_KEY)
+        await conn.execute("SELECT set_config('statement_timeout', $1, false)", timeout)
     return applied_now
 
 

@@ -371,6 +371,11 @@ async def test_delay_warning_tells_the_sender_once_per_recipient(
         "UPDATE recipient SET created_at = now() - interval '2 hours' WHERE message_id <> $1",
         young,
     )
+    # a@ has waited an hour longer than b@ (b@ was retried by an operator, say):
+    # the DSN promises tries only until the earlier of the two expiries.
+    await pool.execute(
+        "UPDATE recipient SET created_at = now() - interval '3 hours' WHERE address = 'a@example.net'"
+    )
 
     warned = await bounces.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
 
@@ -392,9 +397,9 @@ async def test_delay_warning_tells_the_sender_once_per_recipient(
     for block in reported:
         assert (block["Action"], block["Status"]) == ("delayed", "4.7.1")
         assert block["Diagnostic-Code"] == "smtp; 451 4.7.1 greylisted, come back later"
-        # Tried until the recipients expire: queued 2 hours ago, max_age 5 days.
+        # Tried until the first of them expires: a@ queued 3 hours ago, max_age 5 days.
         until = email.utils.parsedate_to_datetime(block["Will-Retry-Until"])
-        expected = datetime.now(UTC) - timedelta(hours=2) + timedelta(days=5)
+        expected = datetime.now(UTC) - timedelta(hours=3) + timedelta(days=5)
         assert abs((until - expected).total_seconds()) < 60, (until, expected)
     # Nothing else moved: the warned recipients are still queued for their next try.
     states = await pool.fetch(
@@ -424,8 +429,8 @@ async def test_delay_warnings_work_off_a_backlog_oldest_first_and_concurrently_o
 ) -> None:
     """More due than one round takes: the rest at the next rounds, oldest first; two rounds at
     once (two nodes) never warn about the same recipient."""
+    await deferred_for(pool, org_id, 4, hours=2)  # the newer ones are written first
     await deferred_for(pool, org_id, 3, hours=3)
-    await deferred_for(pool, org_id, 4, hours=2)
     first = await bounces.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST, limit=3)
     oldest = await pool.fetch("SELECT created_at FROM recipient WHERE delay_warned_at IS NOT NULL")
     assert first.recipients == 3

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
+from pigeon_mta.store import migrate as migrate_module
 from pigeon_mta.store.migrate import available_migrations, migrate
 from tests.conftest import run_pigeon
 
@@ -61,3 +62,37 @@ def test_migrate_command_twice(empty_db: str) -> None:
     second = run_pigeon("migrate", "--json", env=env)
     assert second.returncode == 0, second.stderr
     assert '"pending": 0' in second.stdout
+
+
+async def test_an_index_build_on_a_large_table_is_not_cut_short_by_the_statement_timeout(
+    empty_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serve` migrates on the service's connection settings. Upgrading a database whose queue
+    holds 200,000 recipients, the index that 0009 builds reads them all: the statement timeout
+    meant for queue queries (here 10 ms) must not cancel it, and the session keeps its timeout."""
+    every = available_migrations()
+    before = [m for m in every if m.version < 9]  # 0009 builds recipient_warn_due
+    monkeypatch.setattr(migrate_module, "available_migrations", lambda: before)
+    conn = await asyncpg.connect(empty_db)
+    try:
+        await migrate(conn)
+        await conn.execute(
+            """INSERT INTO org (id, name) VALUES (gen_random_uuid(), 'big');
+               INSERT INTO message (id, org_id, sender, size, body, listener)
+               SELECT gen_random_uuid(), id, 'a@example.com', 1, 'x', 'test' FROM org;
+               INSERT INTO recipient (id, message_id, org_id, address, domain, status, created_at,
+                                      next_attempt_at, attempts)
+               SELECT gen_random_uuid(), m.id, m.org_id, 'r' || n || '@example.net',
+                      'example.net', 'delivered', now(), now(), 1
+               FROM message m, generate_series(1, 200000) AS n"""
+        )
+    finally:
+        await conn.close()
+    monkeypatch.undo()
+    conn = await asyncpg.connect(empty_db, server_settings={"statement_timeout": "10"})
+    try:
+        applied = [m.version for m in await migrate(conn)]
+        assert applied == [m.version for m in every if m.version >= 9]
+        assert await conn.fetchval("SHOW statement_timeout") == "10ms"
+    finally:
+        await conn.close()

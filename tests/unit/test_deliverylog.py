@@ -215,12 +215,25 @@ def test_several_processes_share_stdout_without_mixing_lines(tmp_path: Path) -> 
 
 
 def test_a_record_too_long_for_a_pipe_keeps_its_fields_and_is_valid_json() -> None:
-    record = {"event": "Delivery", "recipient": "b@example.net", "response": 'é"' * 3000}
+    record = {
+        "type": "Delivery",
+        "queue_id": "0" * 36,
+        "message_id": "m" * 300,
+        "recipient": "b@example.net",
+        "response": 'é"' * 3000,  # 2 bytes and an escaped quote each: JSON is longer than text
+    }
     line = deliverylog._line(record, 4096)
-    assert len(line) <= 4096 and line.endswith(b"\n")
+    assert 4096 - 4 <= len(line) <= 4096 and line.endswith(b"\n")  # as much kept as fits
     parsed = json.loads(line)
-    assert list(parsed) == list(record) and parsed["recipient"] == "b@example.net"
+    assert list(parsed) == list(record)
+    assert {k: parsed[k] for k in ("type", "queue_id", "message_id", "recipient")} == {
+        k: record[k] for k in ("type", "queue_id", "message_id", "recipient")
+    }
     assert parsed["response"].startswith('é"é') and parsed["response"].endswith("[truncated]")
+    # The longest free text is cut first; identifiers and addresses never are.
+    other = dict(record, response="a short reply", message_id="y" * 6000)
+    parsed = json.loads(deliverylog._line(other, 4096))
+    assert parsed["response"] == "a short reply" and parsed["message_id"].endswith("[truncated]")
     assert (
         deliverylog._line(record, None)
         == (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
@@ -302,3 +315,30 @@ def _python(code: str, stderr: bool = False) -> str:
     )
     assert out.returncode == 0, out.stderr
     return out.stderr if stderr else out.stdout
+
+
+def test_a_closed_stdout_writes_nowhere_and_says_so(tmp_path: Path) -> None:
+    """With descriptor 1 closed, "-" must not write to whatever file or socket takes it next."""
+    code = textwrap.dedent(
+        """
+        import os, sys
+        from pigeon_mta.deliverylog import DeliveryLog
+        log = DeliveryLog.open("-")
+        fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT)  # takes descriptor 1
+        log.write([{"type": "Reception", "recipient": "b@example.net"}])
+        print(fd, log.description, file=sys.stderr)
+        """
+    )
+    taken = tmp_path / "taken"
+    out = subprocess.run(
+        ["sh", "-c", 'exec "$0" -c "$1" "$2" >&-', sys.executable, code, str(taken)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.split("\n")[-2] == "1 off (stdout is closed)", out.stderr
+    assert "stdout is closed" in out.stderr
+    assert taken.read_bytes() == b""
