@@ -304,9 +304,12 @@ def _spawn(script: str, *args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO, env=_env())
 
 
-def _python(code: str, stderr: bool = False) -> str:
+def _python(code: str, *args: str, stderr: bool = False, stdout_closed: bool = False) -> str:
+    command = [sys.executable, "-c", code, *args]
+    if stdout_closed:
+        command = ["sh", "-c", 'exec "$@" >&-', "sh", *command]
     out = subprocess.run(
-        [sys.executable, "-c", code],
+        command,
         cwd=REPO,
         env=_env(),
         capture_output=True,
@@ -330,15 +333,7 @@ def test_a_closed_stdout_writes_nowhere_and_says_so(tmp_path: Path) -> None:
         """
     )
     taken = tmp_path / "taken"
-    out = subprocess.run(
-        ["sh", "-c", 'exec "$0" -c "$1" "$2" >&-', sys.executable, code, str(taken)],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stderr.split("\n")[-2] == "1 off (stdout is closed)", out.stderr
-    assert "stdout is closed" in out.stderr
+    err = _python(code, str(taken), stderr=True, stdout_closed=True)
+    assert err.split("\n")[-2] == "1 off (stdout is closed)", err
+    assert "stdout is closed" in err
     assert taken.read_bytes() == b""
