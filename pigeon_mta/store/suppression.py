@@ -38,7 +38,10 @@ class Suppression:
 
 
 def normalise_address(address: str) -> str:
-    return address.strip().strip("<>").strip().lower()
+    """An address as typed, without white space and angle brackets around it. The list keys on
+    its `lower()` made by PostgreSQL, in every statement that writes or reads it (the claim too):
+    one lowercasing, whatever the database's locale does to letters outside ASCII."""
+    return address.strip().strip("<>").strip()
 
 
 _COLUMNS = "id, org_id, address, reason, source, attempt_id, created_at, expires_at"
@@ -62,7 +65,7 @@ def _entry(row: asyncpg.Record) -> Suppression:
 # A manual entry replaces whatever was there: the operator's word is the latest.
 _ADD = f"""
 INSERT INTO suppression (id, org_id, address, reason, source, attempt_id, expires_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7)
+VALUES ($1, $2, lower($3), $4, $5, $6, $7)
 ON CONFLICT (org_id, address) DO UPDATE
 SET reason = EXCLUDED.reason, source = EXCLUDED.source, attempt_id = EXCLUDED.attempt_id,
     created_at = now(), expires_at = EXCLUDED.expires_at
@@ -98,7 +101,7 @@ async def add_suppression(
 async def remove_suppression(db: Executor, org_id: uuid.UUID, address: str) -> bool:
     """Take `address` off the org's list; False when it was not there."""
     result = await db.execute(
-        "DELETE FROM suppression WHERE org_id = $1 AND address = $2",
+        "DELETE FROM suppression WHERE org_id = $1 AND address = lower($2)",
         org_id,
         normalise_address(address),
     )
@@ -128,8 +131,6 @@ async def list_suppressions(
 
 # ---------------------------------------------------------------- checks
 
-_ACTIVE = SUPPRESSION_ACTIVE
-
 
 async def suppressed_addresses(
     db: Executor, org_id: uuid.UUID, addresses: Sequence[str]
@@ -138,8 +139,9 @@ async def suppressed_addresses(
     if not addresses:
         return set()
     rows = await db.fetch(
-        f"""SELECT s.address FROM suppression s
-            WHERE s.org_id = $1 AND s.address = ANY ($2::text[]) AND {_ACTIVE}""",
+        f"""SELECT u.address FROM unnest($2::text[]) AS u (address)
+            JOIN suppression s ON s.org_id = $1 AND s.address = lower(u.address)
+            WHERE {SUPPRESSION_ACTIVE}""",
         org_id,
         sorted({normalise_address(a) for a in addresses}),
     )
@@ -212,7 +214,7 @@ ORDER BY r.org_id, lower(r.address), v.id DESC
 ON CONFLICT (org_id, address) DO UPDATE
 SET reason = EXCLUDED.reason, source = EXCLUDED.source, attempt_id = EXCLUDED.attempt_id,
     created_at = now(), expires_at = EXCLUDED.expires_at
-WHERE s.source = '{BOUNCE}' OR NOT {_ACTIVE}
+WHERE s.source = '{BOUNCE}' OR NOT {SUPPRESSION_ACTIVE}
 """
 
 

@@ -305,6 +305,23 @@ async def test_suppressed_recipients_are_not_attempted(
     ]
 
 
+async def test_an_entry_outside_ascii_matches_at_the_claim_as_in_the_batch_check(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """The list keys on one lowercasing, PostgreSQL's, wherever it is written or read: Python's
+    lower() of "İ" is "i" and a combining dot, PostgreSQL's plain "i", so an entry made by hand
+    in Python's form was never matched by the claim, and the address was mailed."""
+    entry, _new = await suppression.add_suppression(pool, org_id, "<İnci@Example.TR>", reason="x")
+    assert entry.address == await pool.fetchval("SELECT lower('İnci@example.tr')")
+    await send(pool, org_id, "İnci@example.tr")
+    keep, results = suppression.split_suppressed(await claim_all(pool))
+    assert keep == [] and [r.outcome for r in results] == ["suppressed"]
+    assert await suppression.suppressed_addresses(pool, org_id, ["İNCİ@example.tr"]) == {
+        "İNCİ@example.tr"
+    }
+    assert await suppression.remove_suppression(pool, org_id, "İnci@EXAMPLE.tr")
+
+
 async def test_batch_check_is_case_insensitive_and_ignores_expired_entries(
     pool: asyncpg.Pool, org_id: uuid.UUID
 ) -> None:
