@@ -278,44 +278,48 @@ def reload_services() -> None:
 
 async def run_worker(settings: Settings, url: str, index: int, stop: asyncio.Event) -> None:
     """One serving process: its pools and the services that run in every process."""
-    pool = await store_connect.create_pool(url, settings)
-    try:
+    async with (
+        contextlib.AsyncExitStack() as pools
+    ):  # closed in reverse, each whatever the others do
+        pool = await store_connect.create_pool(url, settings)
+        pools.push_async_callback(pool.close)
         commit_pool = await store_connect.commit_pool(url, settings)
-    except BaseException:
-        await pool.close()
-        raise
+        pools.push_async_callback(commit_pool.close)
+        services = worker_services(settings, pool, commit_pool, url, index)
+        await _run_services(services, index, stop, settings.server.shutdown_timeout)
+
+
+async def _run_services(
+    services: list[Service], index: int, stop: asyncio.Event, shutdown_timeout: float
+) -> None:
+    """Start the services in order, run until `stop`, stop them in reverse order, each by
+    `shutdown_timeout` seconds after the stop began."""
     started: list[Service] = []
     try:
-        try:
-            for service in worker_services(settings, pool, commit_pool, url, index):
-                await service.start()
-                started.append(service)
-                _RUNNING.append(service)
-        except BaseException:
-            # What already runs (the engine may hold claims) stops cleanly and hands work back.
-            deadline = asyncio.get_running_loop().time() + settings.server.shutdown_timeout
-            _RUNNING.clear()
-            for service in reversed(started):
-                with contextlib.suppress(Exception):
-                    await service.stop(deadline)
-            raise
-        log.info("worker %d ready", index)
-        metrics.WORKER_STARTS.inc()
-        metrics.WORKERS_READY.set(1)
-        await stop.wait()
-        metrics.WORKERS_READY.set(0)
-        deadline = asyncio.get_running_loop().time() + settings.server.shutdown_timeout
+        for service in services:
+            await service.start()
+            started.append(service)
+            _RUNNING.append(service)
+    except BaseException:
+        # What already runs (the engine may hold claims) stops cleanly and hands work back.
+        deadline = asyncio.get_running_loop().time() + shutdown_timeout
         _RUNNING.clear()
         for service in reversed(started):
-            try:
+            with contextlib.suppress(Exception):
                 await service.stop(deadline)
-            except Exception:
-                log.exception("worker %d: stopping %s failed", index, service.name)
-    finally:
+        raise
+    log.info("worker %d ready", index)
+    metrics.WORKER_STARTS.inc()
+    metrics.WORKERS_READY.set(1)
+    await stop.wait()
+    metrics.WORKERS_READY.set(0)
+    deadline = asyncio.get_running_loop().time() + shutdown_timeout
+    _RUNNING.clear()
+    for service in reversed(started):
         try:
-            await commit_pool.close()
-        finally:
-            await pool.close()
+            await service.stop(deadline)
+        except Exception:
+            log.exception("worker %d: stopping %s failed", index, service.name)
 
 
 def _worker_process_main(settings: Settings, url: str, index: int) -> None:

@@ -272,7 +272,7 @@ class _NoSink:
 
 
 class _FdSink:
-    """An inherited descriptor (stdout); not closed by us."""
+    """An inherited descriptor (stdout); not closed by us. OSError when it is not open."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -406,12 +406,11 @@ class DeliveryLog:
             return cls(_NoSink(), "off")
         if target == "-":
             try:
-                os.fstat(1)
+                return cls(_FdSink(1), "stdout")
             except OSError:
                 # Writing to descriptor 1 could reach whatever file or socket takes it next.
                 log.warning("stdout is closed: the delivery log is written nowhere")
                 return cls(_NoSink(), "off (stdout is closed)")
-            return cls(_FdSink(1), "stdout")
         return cls(_FileSink(os.path.expanduser(target)), target)
 
     @classmethod
