@@ -92,28 +92,23 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def wait_for_port(port: int, seconds: float, alive: Callable[[], bool]) -> None:
+def wait_for_listener(
+    address: tuple[str, int] | Path, seconds: float, alive: Callable[[], bool]
+) -> None:
+    """Until something accepts a connection at `address` (TCP host and port, or a UNIX socket
+    path); exits if `alive` says the process that should listen died, or after `seconds`."""
+    family = socket.AF_UNIX if isinstance(address, Path) else socket.AF_INET
+    target = str(address) if isinstance(address, Path) else address
     deadline = time.monotonic() + seconds
     while True:
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            with socket.socket(family) as probe:
+                probe.settimeout(1)
+                probe.connect(target)
             return
         except OSError:
             if time.monotonic() > deadline or not alive():
-                raise SystemExit(f"nothing listens on 127.0.0.1:{port}") from None
-            time.sleep(0.1)
-
-
-def wait_for_socket(path: Path, seconds: float, alive: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            with socket.socket(socket.AF_UNIX) as probe:
-                probe.connect(str(path))
-            return
-        except OSError:
-            if time.monotonic() > deadline or not alive():
-                raise SystemExit(f"nothing listens on {path}") from None
+                raise SystemExit(f"nothing listens on {address}") from None
             time.sleep(0.1)
 
 
@@ -198,7 +193,7 @@ PidFile {secure / "opendkim.pid"}
             )
             opendkim = subprocess.Popen([opendkim_cmd, "-f", "-x", str(secure / "opendkim.conf")])
             # The milter must listen before Postfix takes mail (else: 451 tempfail).
-            wait_for_socket(
+            wait_for_listener(
                 sockets / "milter", 15, lambda: opendkim is not None and opendkim.poll() is None
             )
             milter = (
@@ -247,7 +242,7 @@ alias_database =
         run_postfix(postfix, conf, "check")
         run_postfix(postfix, conf, "start")
         master = int((spool / "pid" / "master.pid").read_text().split()[0])
-        wait_for_port(smtp_port, 15, lambda: Path(f"/proc/{master}").exists())
+        wait_for_listener(("127.0.0.1", smtp_port), 15, lambda: Path(f"/proc/{master}").exists())
         before = {p: cpu_seconds(p) for p in descendants(master)}
         dkim_before = cpu_seconds(opendkim.pid) if opendkim is not None else 0.0
         machine_start = machine_cpu()
