@@ -3,7 +3,7 @@
     python bench/dkim_bench.py [--seconds 3] [--cpu 0]
 
 Part 1, signatures/s in one thread (pinned to one CPU with --cpu): RSA-2048 by stock dkimpy
-(pure-Python RSA), RSA-2048 by pigeon_mta.dkim.sign (dkimpy + OpenSSL through `cryptography`),
+(pure-Python RSA), RSA-2048 by pigeon_mta.dkim.sign (its own canonicalization, OpenSSL through `cryptography`),
 OpenSSL's bare RSA-2048 signature (the ceiling for the fast path), Ed25519, and RSA + Ed25519
 together (a domain with both keys).
 

@@ -174,6 +174,21 @@ def test_a_message_without_from_cannot_be_signed(
         dkim.sign(b"To: b@example.net\r\n\r\nhi\r\n", [rsa_key[1]], timestamp=T)
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        b" a continuation line first\r\nFrom: a@example.com\r\n\r\nhi\r\n",
+        b"From: a@example.com\r\nno colon on this line\r\n\r\nhi\r\n",
+        b"From : a@example.com\r\n\r\nhi\r\n",  # no white space before the colon (RFC 5322 2.2)
+    ],
+)
+def test_a_malformed_header_section_is_a_signing_error(
+    message: bytes, rsa_key: tuple[dkim.GeneratedKey, dkim.SigningKey]
+) -> None:
+    with pytest.raises(dkim.SigningError):
+        dkim.sign(message, [rsa_key[1]], timestamp=T)
+
+
 # ---------------------------------------------------------------- signatures
 
 
@@ -253,6 +268,13 @@ def test_byte_identical_to_stock_dkimpy(
     message = SAMPLES[sample]
     for generated, key in (rsa_key, ed_key):
         assert dkim.sign(message, [key], timestamp=T) == _stock_sign(message, generated, key)
+
+
+def test_an_mbox_from_line_is_skipped_as_dkimpy_skips_it(
+    frozen_dkimpy_clock: None, ed_key: tuple[dkim.GeneratedKey, dkim.SigningKey]
+) -> None:
+    message = b"From alice@example.com Sun Nov 29 15:00:00 2026\r\n" + SAMPLES["plain"]
+    assert dkim.sign(message, [ed_key[1]], timestamp=T) == _stock_sign(message, *ed_key)
 
 
 _HEADER_NAMES = st.sampled_from(
