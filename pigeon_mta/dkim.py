@@ -20,6 +20,7 @@ import base64
 import email.utils
 import hashlib
 import re
+import typing
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -195,13 +196,15 @@ def load_signing_key(
     return SigningKey(ascii_domain(domain), selector, algorithm, key)
 
 
-def _raw_signature(key: rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey, digest: bytes) -> bytes:
+def _raw_signature(key: SigningKey, digest: bytes) -> bytes:
     """The signature over the SHA-256 header digest: RSASSA-PKCS1-v1_5 for RSA (RFC 6376 3.3.1;
     Prehashed makes OpenSSL wrap the digest in the DigestInfo instead of hashing it again),
     PureEdDSA over the digest for Ed25519 (RFC 8463 3)."""
-    if isinstance(key, rsa.RSAPrivateKey):
-        return key.sign(digest, _RSA_PADDING, _PREHASHED_SHA256)
-    return key.sign(digest)
+    private = key.private_key
+    # By the algorithm load_signing_key checked, not isinstance: these are ABCs, slow to test.
+    if key.algorithm == "rsa":
+        return typing.cast(rsa.RSAPrivateKey, private).sign(digest, _RSA_PADDING, _PREHASHED_SHA256)
+    return typing.cast(ed25519.Ed25519PrivateKey, private).sign(digest)
 
 
 _RSA_PADDING = padding.PKCS1v15()
@@ -259,7 +262,7 @@ def sign(message: bytes, keys: Sequence[SigningKey], *, timestamp: int) -> bytes
         digest = hashlib.sha256(
             signed + b"dkim-signature:" + _relaxed_value(b" " + unsigned)
         ).digest()
-        tags[-1] = (b"b", base64.b64encode(_raw_signature(key.private_key, digest)))
+        tags[-1] = (b"b", base64.b64encode(_raw_signature(key, digest)))
         value = _fold(b"; ".join(b"=".join(tag) for tag in tags) + b"\r\n")
         out.append(b"DKIM-Signature: " + value)
     return b"".join(out)
@@ -352,9 +355,11 @@ def relaxed_body(body: bytes) -> bytes:
     text body); this one touches only what needs changing (0.02 ms) and ends with dkimpy's own
     trailing-line handling. tests/unit/test_dkim.py checks the two agree (hypothesis).
     """
-    if b" \r\n" in body or b"\t\r\n" in body:
+    # (A one-byte search is much faster than a two-byte one: look for a tab once.)
+    tabs = b"\t" in body
+    if b" \r\n" in body or (tabs and b"\t\r\n" in body):
         body = _TRAILING_BLANKS.sub(b"\r\n", body)
-    if b"\t" in body:
+    if tabs:
         body = body.replace(b"\t", b" ")
     if b"  " in body:
         body = _SPACE_RUN.sub(b" ", body)

@@ -7,6 +7,7 @@ else in the message is touched.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from datetime import datetime
@@ -149,12 +150,18 @@ def received_header(trace: Trace) -> bytes:
 
 
 def authentication_results(trace: Trace) -> bytes:
+    return _authentication_results(trace.hostname, trace.auth_user)
+
+
+@functools.lru_cache(maxsize=256)
+def _authentication_results(hostname: str, auth_user: str | None) -> bytes:
+    """The field for a hostname and SMTP AUTH user: the same for every message of that pair."""
     result = (
-        authres.SMTPAUTHAuthenticationResult(result="pass", smtp_auth=trace.auth_user)
-        if trace.auth_user
+        authres.SMTPAUTHAuthenticationResult(result="pass", smtp_auth=auth_user)
+        if auth_user
         else authres.SMTPAUTHAuthenticationResult(result="none")
     )
-    header = authres.AuthenticationResultsHeader(authserv_id=trace.hostname, results=[result])
+    header = authres.AuthenticationResultsHeader(authserv_id=hostname, results=[result])
     return str(header).encode("utf-8") + CRLF
 
 
