@@ -247,7 +247,11 @@ def _stored_attempt_record(story: MessageStory, a: AttemptRecord, address: str) 
 
 def to_json_line(record: Record) -> str:
     """One record as one line of JSON (no newline inside: json escapes them)."""
-    return json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+    return _ENCODER.encode(record)
+
+
+# One encoder for every record: json.dumps with options builds a new one per call (2 us of 5).
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 # ---------------------------------------------------------------- sinks
