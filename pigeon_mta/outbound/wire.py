@@ -81,14 +81,14 @@ class Wire(asyncio.Protocol):
         """The next reply, in the order the commands went out."""
         if not self._replies and self._lost is None:
             loop = asyncio.get_running_loop()
-            self._waiter = loop.create_future()
+            waiter = self._waiter = loop.create_future()
+            # A timer that fails the waiter: asyncio.wait_for would wrap this wait in another
+            # future and two callbacks, and it runs twice per message.
+            timer = loop.call_later(timeout, _time_out, waiter, timeout)
             try:
-                await asyncio.wait_for(self._waiter, timeout)
-            except TimeoutError:
-                raise SMTPReadTimeoutError(
-                    f"timed out waiting {timeout:g} s for the server's reply"
-                ) from None
+                await waiter
             finally:
+                timer.cancel()
                 self._waiter = None
         if self._replies:
             return self._replies.popleft()
@@ -140,6 +140,13 @@ class Wire(asyncio.Protocol):
         waiter = self._waiter
         if waiter is not None and not waiter.done() and (self._replies or self._lost):
             waiter.set_result(None)
+
+
+def _time_out(waiter: asyncio.Future[None], timeout: float) -> None:
+    if not waiter.done():
+        waiter.set_exception(
+            SMTPReadTimeoutError(f"timed out waiting {timeout:g} s for the server's reply")
+        )
 
 
 def _reply(lines: list[bytes]) -> SMTPResponse:
