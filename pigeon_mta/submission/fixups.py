@@ -114,20 +114,24 @@ def apply_fixups(data: bytes, trace: Trace, *, new_message_id: str) -> Fixed:
     if data and not data.endswith(CRLF):
         data += CRLF
     split = split_header(data)
-    fields = [f for f in split.fields if not _forged_results(f, trace.hostname)]
+    # Each field's name once (four lookups below would otherwise parse it four times).
+    named = [(field_name(f), f) for f in split.fields]
+    named = [(n, f) for n, f in named if not _forged_results(n, f, trace.hostname)]
+    fields = [f for _n, f in named]
+    names = {n for n, _f in named}
     added: list[bytes] = []
-    message_id = message_id_of(fields)
-    if not any(field_name(f) == b"message-id" for f in fields):
+    message_id = message_id_of([f for n, f in named if n == b"message-id"])
+    if b"message-id" not in names:
         message_id = new_message_id
         added.append(b"Message-ID: <" + new_message_id.encode("utf-8") + b">" + CRLF)
-    if not any(field_name(f) == b"date" for f in fields):
+    if b"date" not in names:
         added.append(b"Date: " + format_datetime(trace.received_at).encode("ascii") + CRLF)
     rest = split.rest
     if not split.separated and rest:
         rest = CRLF + rest  # a body with no blank line before it must not become header
     top = received_header(trace) + authentication_results(trace)
     out = b"".join((top, *fields, *added, rest))
-    return Fixed(out, message_id, values_of(fields, b"from"))
+    return Fixed(out, message_id, [field_value(f) for n, f in named if n == b"from"])
 
 
 def received_header(trace: Trace) -> bytes:
@@ -165,9 +169,9 @@ def _authentication_results(hostname: str, auth_user: str | None) -> bytes:
     return str(header).encode("utf-8") + CRLF
 
 
-def _forged_results(field: bytes, hostname: str) -> bool:
+def _forged_results(name: bytes, field: bytes, hostname: str) -> bool:
     """An Authentication-Results field claiming to be ours: RFC 8601 5 says remove it."""
-    if field_name(field) != b"authentication-results":
+    if name != b"authentication-results":
         return False
     value = field_value(field)
     authserv_id = value.split(";", 1)[0].split()
