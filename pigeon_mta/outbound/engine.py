@@ -16,6 +16,7 @@ duplicate, rather than released as if it had never been tried.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -546,10 +547,10 @@ class DeliveryEngine:
                 suppress_for=self.settings.bounces.suppress_for,
             )
         ).applied
-        for result in results:
-            # Only outcomes that took effect: a fenced-out (stale) result is logged, not counted.
-            if result.recipient_id in applied:
-                DELIVERIES.labels(outcome=str(result.outcome)).inc()
+        # Only outcomes that took effect: a fenced-out (stale) result is logged, not counted.
+        counts = collections.Counter(str(r.outcome) for r in results if r.recipient_id in applied)
+        for outcome, count in counts.items():
+            DELIVERIES.labels(outcome=outcome).inc(count)
         self._log_results(results)
 
     def _log_results(self, results: Sequence[AttemptResult]) -> None:
