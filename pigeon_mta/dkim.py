@@ -293,23 +293,29 @@ def _split_message(message: bytes) -> tuple[bytes, bytes]:
 def header_fields(header: bytes) -> list[tuple[bytes, bytes]]:
     """The header section's fields as (name, value), as dkimpy's `rfc822_parse` gives them: the
     value is what follows the colon, every line of it ended with CRLF. An mbox "From " line is
-    skipped; any other line that neither starts a field nor continues one is an error."""
-    fields: list[tuple[bytes, bytes]] = []
+    skipped; any other line that neither starts a field nor continues one is an error.
+
+    Each field's lines are joined once at the end: adding them one by one would copy the value
+    again for every line (quadratic; a header folded into 80,000 lines took a second)."""
+    names: list[bytes] = []
+    lines_of: list[list[bytes]] = []
     for line in _LINE_END.split(header):
         if not line:
             break  # the end of the header section
         if line[0] in _WSP:
-            if not fields:
+            if not lines_of:
                 raise SigningError("malformed header section: it starts with a continuation line")
-            name, value = fields[-1]
-            fields[-1] = (name, value + line + b"\r\n")
+            lines_of[-1].append(line)
             continue
         match = _FIELD_NAME.match(line)
         if match is not None:
-            fields.append((match.group(1), line[match.end() :] + b"\r\n"))
+            names.append(match.group(1))
+            lines_of.append([line[match.end() :]])
         elif not line.startswith(b"From "):
             raise SigningError(f"malformed header section: unexpected characters in {line!r}")
-    return fields
+    return [
+        (name, b"\r\n".join(lines) + b"\r\n") for name, lines in zip(names, lines_of, strict=True)
+    ]
 
 
 _FIELD_NAME = re.compile(rb"([\x21-\x7e]+?):")

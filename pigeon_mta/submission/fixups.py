@@ -42,24 +42,30 @@ class SplitMessage:
 
 
 def split_header(data: bytes) -> SplitMessage:
-    """Header fields up to the first blank line, or up to the first line that is not a field."""
-    fields: list[bytes] = []
+    """Header fields up to the first blank line, or up to the first line that is not a field.
+
+    A field's lines are joined once it is complete (adding them one by one copied the field again
+    for every continuation line: quadratic in a header folded into many lines)."""
+    fields: list[list[bytes]] = []  # each field's lines
     pos = 0
     size = len(data)
+    rest, separated = b"", False
     while pos < size:
         end = data.find(CRLF, pos)
         end = size if end < 0 else end + 2
         line = data[pos:end]
         if line == CRLF:
-            return SplitMessage(fields, data[pos:], True)
+            rest, separated = data[pos:], True
+            break
         if line[:1] in (b" ", b"\t") and fields:
-            fields[-1] += line
+            fields[-1].append(line)
         elif _FIELD_NAME.match(line):
-            fields.append(line if line.endswith(CRLF) else line + CRLF)
+            fields.append([line if line.endswith(CRLF) else line + CRLF])
         else:
-            return SplitMessage(fields, data[pos:], False)
+            rest = data[pos:]
+            break
         pos = end
-    return SplitMessage(fields, b"", False)
+    return SplitMessage([b"".join(lines) for lines in fields], rest, separated)
 
 
 def field_name(field: bytes) -> bytes:

@@ -277,6 +277,13 @@ def test_an_mbox_from_line_is_skipped_as_dkimpy_skips_it(
     assert dkim.sign(message, [ed_key[1]], timestamp=T) == _stock_sign(message, *ed_key)
 
 
+def test_a_field_folded_into_many_lines_signs_as_dkimpy_signs_it(
+    frozen_dkimpy_clock: None, ed_key: tuple[dkim.GeneratedKey, dkim.SigningKey]
+) -> None:
+    message = b"From: a@example.com\r\nSubject: x\r\n" + b" y \t z\r\n" * 5000 + b"\r\nbody\r\n"
+    assert dkim.sign(message, [ed_key[1]], timestamp=T) == _stock_sign(message, *ed_key)
+
+
 _HEADER_NAMES = st.sampled_from(
     [b"From", b"To", b"Cc", b"Subject", b"Date", b"Message-ID", b"Received", b"X-Tag", b"from"]
 )

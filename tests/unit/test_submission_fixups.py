@@ -55,6 +55,13 @@ def test_split_header_with_folding_and_body() -> None:
     assert split.rest == b"\r\nbody\r\n" and split.separated
 
 
+def test_a_field_folded_into_many_lines_is_kept_whole() -> None:
+    folded = b"Subject: x\r\n" + b" y\r\n" * 5000
+    split = split_header(folded + b"From: x@y\r\n\r\nbody\r\n")
+    assert split.fields == [folded, b"From: x@y\r\n"]
+    assert split.rest == b"\r\nbody\r\n" and split.separated
+
+
 def test_missing_message_id_and_date_are_added_and_trace_goes_on_top() -> None:
     fixed = apply_fixups(b"Subject: hi\r\n\r\nbody\r\n", trace(), new_message_id="new@mta.test")
     assert fixed.message_id == "new@mta.test"
