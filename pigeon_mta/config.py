@@ -174,6 +174,10 @@ class RelaySettings:
 class LimitsSettings:
     # Advertised as SIZE; a larger message gets 552 5.3.4. 0 = no limit.
     max_message_size: int = 26214400
+    # The header section (every field up to the blank line); a larger one gets 552 5.3.4 after
+    # DATA and nothing is queued (as Exim's header_maxsize). It bounds the work done on a
+    # message's header before it is queued and when it is signed. 0 = no limit.
+    max_header_size: int = 1048576
     # Recipients per message; one more gets 452 4.5.3 (the client sends the rest in another).
     max_recipients: int = 100
     # Open connections from one client IP, counted per worker process; one more gets 421 4.7.0.

@@ -41,8 +41,14 @@ class SplitMessage:
     separated: bool  # whether `rest` starts with the blank line
 
 
-def split_header(data: bytes) -> SplitMessage:
+class HeaderTooLarge(Exception):
+    """The header section is larger than the limit `split_header` was given."""
+
+
+def split_header(data: bytes, *, max_size: int = 0) -> SplitMessage:
     """Header fields up to the first blank line, or up to the first line that is not a field.
+    With `max_size`, a header section longer than that raises HeaderTooLarge as soon as it is
+    seen (the rest is not looked at).
 
     A field's lines are joined once it is complete (adding them one by one copied the field again
     for every continuation line: quadratic in a header folded into many lines)."""
@@ -64,6 +70,8 @@ def split_header(data: bytes) -> SplitMessage:
         else:
             rest = data[pos:]
             break
+        if max_size and end > max_size:
+            raise HeaderTooLarge(f"the header section is over {max_size} bytes")
         pos = end
     return SplitMessage([b"".join(lines) for lines in fields], rest, separated)
 
@@ -115,11 +123,14 @@ class Fixed:
     from_values: list[str]  # the From: header values, for the sender policy
 
 
-def apply_fixups(data: bytes, trace: Trace, *, new_message_id: str) -> Fixed:
+def apply_fixups(
+    data: bytes, trace: Trace, *, new_message_id: str, max_header_size: int = 0
+) -> Fixed:
+    """The message as queued. Raises HeaderTooLarge past `max_header_size` (0: no limit)."""
     data = normalize_line_endings(data)
     if data and not data.endswith(CRLF):
         data += CRLF
-    split = split_header(data)
+    split = split_header(data, max_size=max_header_size)
     # Each field's name once (four lookups below would otherwise parse it four times).
     named = [(field_name(f), f) for f in split.fields]
     named = [(n, f) for n, f in named if not _forged_results(n, f, trace.hostname)]

@@ -31,7 +31,7 @@ from pigeon_mta.submission.addresses import (
 )
 from pigeon_mta.submission.auth import Verdict
 from pigeon_mta.submission.context import Conversation, ListenerContext
-from pigeon_mta.submission.fixups import Trace, apply_fixups
+from pigeon_mta.submission.fixups import HeaderTooLarge, Trace, apply_fixups
 from pigeon_mta.submission.reception import Reception, record_reception
 
 log = logging.getLogger("pigeon_mta.submission")
@@ -268,23 +268,33 @@ class SubmissionHandler:
         received_at = datetime.now(UTC)
         raw = envelope.original_content
         assert isinstance(raw, bytes)
-        fixed = apply_fixups(
-            raw,
-            Trace(
-                hostname=self.ctx.hostname,
-                queue_id=str(queue_id),
-                client_ip=conv.client_ip,
-                helo=conv.helo,
-                esmtp=conv.esmtp,
-                smtputf8=bool(envelope.smtp_utf8),
-                tls_version=conv.tls_version,
-                tls_cipher=conv.tls_cipher,
-                auth_user=conv.login.username if conv.login else None,
-                recipients=recipients,
-                received_at=received_at,
-            ),
-            new_message_id=f"{new_id().hex}@{self.ctx.hostname}",
-        )
+        try:
+            fixed = apply_fixups(
+                raw,
+                Trace(
+                    hostname=self.ctx.hostname,
+                    queue_id=str(queue_id),
+                    client_ip=conv.client_ip,
+                    helo=conv.helo,
+                    esmtp=conv.esmtp,
+                    smtputf8=bool(envelope.smtp_utf8),
+                    tls_version=conv.tls_version,
+                    tls_cipher=conv.tls_cipher,
+                    auth_user=conv.login.username if conv.login else None,
+                    recipients=recipients,
+                    received_at=received_at,
+                ),
+                new_message_id=f"{new_id().hex}@{self.ctx.hostname}",
+                max_header_size=self.ctx.limits.max_header_size,
+            )
+        except HeaderTooLarge:
+            log.info(
+                "message from [%s] refused: its header section is over limits.max_header_size "
+                "(%d bytes)",
+                conv.client_ip,
+                self.ctx.limits.max_header_size,
+            )
+            return replies.HEADER_TOO_BIG
         if conv.login is not None and self.ctx.sender_policy == "strict":
             refusal = await self._check_from_header(conv, fixed.from_values)
             if refusal:

@@ -30,6 +30,7 @@ LITERAL_RECIPIENT = "553 5.1.3 Address literals are not accepted, use a domain n
 NEEDS_SMTPUTF8 = "553 5.6.7 Non-ASCII address requires the SMTPUTF8 parameter"
 TOO_MANY_RECIPIENTS = "452 4.5.3 Too many recipients"
 MESSAGE_TOO_BIG = "552 5.3.4 Message size exceeds fixed maximum message size"
+HEADER_TOO_BIG = "552 5.3.4 Message header exceeds fixed maximum header size"
 LINE_TOO_LONG = "500 5.5.2 Line too long (RFC 5321 4.5.3.1.6)"
 RATE_LIMITED = "450 4.7.1 Message rate limit exceeded for this user, try again later"
 
@@ -108,7 +109,7 @@ _REASONS = {
         "sender_policy": (SENDER_NOT_OWNED, FROM_NOT_OWNED),
         "bad_address": (BAD_SENDER, BAD_RECIPIENT, LITERAL_RECIPIENT, NEEDS_SMTPUTF8),
         "too_many_recipients": (TOO_MANY_RECIPIENTS,),
-        "size": (MESSAGE_TOO_BIG,),
+        "size": (MESSAGE_TOO_BIG, HEADER_TOO_BIG),
         "rate_limit": (RATE_LIMITED,),
         "database": (DATABASE_TROUBLE, AUTH_UNAVAILABLE),
         "local_error": (LOCAL_ERROR,),

@@ -108,6 +108,30 @@ async def test_size_limit(tmp_path: Path, db_url: str, pool: asyncpg.Pool) -> No
     assert await counts(pool) == (1, 1)
 
 
+async def test_header_size_limit(tmp_path: Path, db_url: str, pool: asyncpg.Pool) -> None:
+    """A header section over limits.max_header_size gets 552 5.3.4 after its DATA and is not
+    queued; a message whose body, not header, is that large goes through; the session goes on."""
+    settings = make_settings(tmp_path, db_url, make_tls(tmp_path), max_header_size=2_000)
+    folded = "Subject: long\r\n" + " more words\r\n" * 200  # 2,415 octets of header
+    async with running_service(settings, pool) as running:
+
+        def attempt() -> tuple[tuple[int, bytes], tuple[int, bytes]]:
+            with smtp_client(running.port("relay")) as client:
+                client.ehlo()
+                client.mail("a@host.internal")
+                client.rcpt("b@example.net")
+                big_header = client.data(f"From: a@x\r\n{folded}\r\nshort body\r\n".encode())
+                client.mail("a@host.internal")
+                client.rcpt("c@example.net")
+                big_body = client.data(message("a@x", "c@y", body=("x" * 70 + "\r\n") * 100))
+                return big_header, big_body
+
+        big_header, big_body = await asyncio.to_thread(attempt)
+    assert big_header == (552, b"5.3.4 Message header exceeds fixed maximum header size")
+    assert big_body[0] == 250
+    assert [r["recipients"] for r in await message_rows(pool)] == [["c@example.net"]]
+
+
 @pytest.mark.parametrize("long_lines", ["fold", "refuse"])
 async def test_lines_over_998_octets(
     tmp_path: Path, db_url: str, pool: asyncpg.Pool, long_lines: str
