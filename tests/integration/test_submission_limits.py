@@ -108,25 +108,31 @@ async def test_size_limit(tmp_path: Path, db_url: str, pool: asyncpg.Pool) -> No
     assert await counts(pool) == (1, 1)
 
 
+def _two_messages(port: int, first: bytes, second: bytes) -> tuple[tuple[int, bytes], ...]:
+    """One session from a trusted client: `first` to b@example.net, then `second` to
+    c@example.net; the replies to their DATA."""
+    with smtp_client(port) as client:
+        client.ehlo()
+        replies = []
+        for recipient, data in (("b@example.net", first), ("c@example.net", second)):
+            client.mail("a@host.internal")
+            client.rcpt(recipient)
+            replies.append(client.data(data))
+        return tuple(replies)
+
+
 async def test_header_size_limit(tmp_path: Path, db_url: str, pool: asyncpg.Pool) -> None:
     """A header section over limits.max_header_size gets 552 5.3.4 after its DATA and is not
     queued; a message whose body, not header, is that large goes through; the session goes on."""
     settings = make_settings(tmp_path, db_url, make_tls(tmp_path), max_header_size=2_000)
     folded = "Subject: long\r\n" + " more words\r\n" * 200  # 2,415 octets of header
     async with running_service(settings, pool) as running:
-
-        def attempt() -> tuple[tuple[int, bytes], tuple[int, bytes]]:
-            with smtp_client(running.port("relay")) as client:
-                client.ehlo()
-                client.mail("a@host.internal")
-                client.rcpt("b@example.net")
-                big_header = client.data(f"From: a@x\r\n{folded}\r\nshort body\r\n".encode())
-                client.mail("a@host.internal")
-                client.rcpt("c@example.net")
-                big_body = client.data(message("a@x", "c@y", body=("x" * 70 + "\r\n") * 100))
-                return big_header, big_body
-
-        big_header, big_body = await asyncio.to_thread(attempt)
+        big_header, big_body = await asyncio.to_thread(
+            _two_messages,
+            running.port("relay"),
+            f"From: a@x\r\n{folded}\r\nshort body\r\n".encode(),
+            message("a@x", "c@y", body=("x" * 70 + "\r\n") * 100),
+        )
     assert big_header == (552, b"5.3.4 Message header exceeds fixed maximum header size")
     assert big_body[0] == 250
     assert [r["recipients"] for r in await message_rows(pool)] == [["c@example.net"]]
@@ -141,19 +147,12 @@ async def test_lines_over_998_octets(
     settings = make_settings(tmp_path, db_url, make_tls(tmp_path), long_lines=long_lines)
     html = "<p>" + "lorem ipsum " * 416 + "</p>"  # 4,999 octets, spaces to fold at
     async with running_service(settings, pool) as running:
-
-        def attempt() -> tuple[tuple[int, bytes], tuple[int, bytes]]:
-            with smtp_client(running.port("relay")) as client:
-                client.ehlo()
-                client.mail("a@host.internal")
-                client.rcpt("b@example.net")
-                long = client.data(message("a@x", "b@y", body=html + "\r\n"))
-                client.mail("a@host.internal")
-                client.rcpt("c@example.net")
-                short = client.data(message("a@x", "c@y", body="short\r\n"))
-                return long, short
-
-        long, short = await asyncio.to_thread(attempt)
+        long, short = await asyncio.to_thread(
+            _two_messages,
+            running.port("relay"),
+            message("a@x", "b@y", body=html + "\r\n"),
+            message("a@x", "c@y", body="short\r\n"),
+        )
     assert short[0] == 250
     rows = await message_rows(pool)
     if long_lines == "refuse":
