@@ -132,23 +132,6 @@ async def list_suppressions(
 # ---------------------------------------------------------------- checks
 
 
-async def suppressed_addresses(
-    db: Executor, org_id: uuid.UUID, addresses: Sequence[str]
-) -> set[str]:
-    """Which of `addresses` (returned as given) the org must not mail; one query for the batch."""
-    if not addresses:
-        return set()
-    rows = await db.fetch(
-        f"""SELECT u.address FROM unnest($2::text[]) AS u (address)
-            JOIN suppression s ON s.org_id = $1 AND s.address = lower(u.address)
-            WHERE {SUPPRESSION_ACTIVE}""",
-        org_id,
-        sorted({normalise_address(a) for a in addresses}),
-    )
-    found = {r["address"] for r in rows}
-    return {a for a in addresses if normalise_address(a) in found}
-
-
 def split_suppressed(
     deliveries: Sequence[Delivery], *, now: datetime | None = None
 ) -> tuple[list[Delivery], list[AttemptResult]]:

@@ -8,8 +8,8 @@ from typing import Any
 
 import asyncpg
 
-from pigeon_mta.store import suppression
 from tests.conftest import run_pigeon
+from tests.integration.queue_helpers import suppressed_at_claim
 
 
 def pigeon(db_url: str, *args: str) -> Any:
@@ -44,10 +44,10 @@ async def test_add_list_expire_and_remove(
     assert sorted(e["address"] for e in listed) == ["bob@example.net", "carol@example.net"]
     with_expired = pigeon(db_url, "suppress", "list", "acme", "--expired")
     assert len(with_expired) == 3
-    # The engine's batch check sees what the command wrote, and ignores the expired entry.
-    assert await suppression.suppressed_addresses(
-        pool, org_id, ["BOB@example.net", "old@example.net"]
-    ) == {"BOB@example.net"}
+    # The engine's claim sees what the command wrote, and ignores the expired entry.
+    assert await suppressed_at_claim(pool, org_id, ["BOB@example.net", "old@example.net"]) == {
+        "BOB@example.net"
+    }
 
     removed = pigeon(db_url, "suppress", "remove", "acme", "bob@example.net")
     assert removed == [{"address": "bob@example.net", "org": "acme"}]

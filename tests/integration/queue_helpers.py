@@ -7,7 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import asyncpg
 
-from pigeon_mta.model import AttemptResult, Delivery, Outcome, Reply
+from pigeon_mta.model import AttemptResult, Delivery, Envelope, Outcome, Reply
+from pigeon_mta.store import queue
 
 
 async def bulk_queue(
@@ -74,3 +75,23 @@ def results_for(
         for d in deliveries
         for r in d.recipients
     ]
+
+
+async def suppressed_at_claim(
+    pool: asyncpg.Pool, org_id: uuid.UUID, addresses: list[str]
+) -> set[str]:
+    """Which of `addresses` the engine would not mail: a message to them queued and claimed, as
+    the engine claims (the claim reads each recipient's suppression entry). Use on an otherwise
+    empty queue."""
+    await queue.enqueue(
+        pool,
+        Envelope(
+            org_id=org_id,
+            sender="alice@example.com",
+            recipients=tuple(addresses),
+            body=b"Subject: t\r\n\r\nbody\r\n",
+            listener="relay",
+        ),
+    )
+    claimed = await queue.claim_due_recipients(pool, owner="test", lease=60, batch=1000)
+    return {r.address for d in claimed for r in d.recipients if r.suppressed is not None}
