@@ -278,9 +278,8 @@ def reload_services() -> None:
 
 async def run_worker(settings: Settings, url: str, index: int, stop: asyncio.Event) -> None:
     """One serving process: its pools and the services that run in every process."""
-    async with (
-        contextlib.AsyncExitStack() as pools
-    ):  # closed in reverse, each whatever the others do
+    # The pools close in reverse order, each whatever happens to the other.
+    async with contextlib.AsyncExitStack() as pools:
         pool = await store_connect.create_pool(url, settings)
         pools.push_async_callback(pool.close)
         commit_pool = await store_connect.commit_pool(url, settings)

@@ -438,6 +438,31 @@ async def deferred_for(
     )
 
 
+async def test_a_delay_warning_that_cannot_be_queued_leaves_its_recipients_unmarked(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """The mark and the DSN commit together: when the DSN's insert fails (here a trigger that
+    refuses every new message, as a full disk would), no recipient is marked as warned, so the
+    next round warns them."""
+    await deferred_for(pool, org_id, 3)
+    await pool.execute(
+        """CREATE FUNCTION refuse_messages() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN RAISE EXCEPTION 'no space left on device (test)'; END $$;
+           CREATE TRIGGER refuse_messages BEFORE INSERT ON message
+               FOR EACH ROW EXECUTE FUNCTION refuse_messages()"""
+    )
+    with pytest.raises(asyncpg.RaiseError, match="no space left"):
+        await bounces.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
+    assert (
+        await pool.fetchval("SELECT count(*) FROM recipient WHERE delay_warned_at IS NOT NULL") == 0
+    )
+    assert await queued_dsns(pool) == []
+
+    await pool.execute("DROP TRIGGER refuse_messages ON message")
+    warned = await bounces.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
+    assert warned.recipients == 3 and len(warned.warnings) == 3
+
+
 async def test_delay_warnings_work_off_a_backlog_oldest_first_and_concurrently_once(
     pool: asyncpg.Pool, org_id: uuid.UUID
 ) -> None:

@@ -110,6 +110,23 @@ async def test_messages_without_a_usable_from_go_unsigned(
     assert await signer(delivery(domain.org_id, body)) == body
 
 
+async def test_a_header_section_the_signer_cannot_parse_goes_unsigned_and_is_counted(
+    pool: asyncpg.Pool, signer: DkimSigner
+) -> None:
+    """The From: domain has a key, but a header line is neither a field nor a continuation (not
+    something reception queues, but a message in the queue must never be held for it): the
+    message goes out as it is, counted as malformed."""
+    domain = await add_sender_domain(pool, "acme", "example.com")
+    await add_key(pool, domain, "s1")
+    before = _count("pigeon_dkim_unsigned_total", reason="malformed")
+    for body in (
+        b"From: a@example.com\r\nno colon on this line\r\n\r\nbody\r\n",
+        b" a continuation first\r\nFrom: a@example.com\r\n\r\nbody\r\n",
+    ):
+        assert await signer(delivery(domain.org_id, body)) == body
+    assert _count("pigeon_dkim_unsigned_total", reason="malformed") == before + 2
+
+
 async def test_a_damaged_stored_key_is_skipped(pool: asyncpg.Pool, signer: DkimSigner) -> None:
     domain = await add_sender_domain(pool, "acme", "example.com")
     damaged, _record = await add_key(pool, domain, "r1", "rsa")
