@@ -1,7 +1,8 @@
 """Composition root for `pigeon-mta serve`: database, maintenance, processes, signals, drain.
 
-One node runs one supervisor. The supervisor finds (or starts) the database, migrates it, creates
-the trusted org and frees the leases this node held before it last stopped; then it runs the
+One node runs one supervisor. The supervisor locks its data_dir, finds (or starts) the database,
+migrates it, creates the trusted org, takes its node name for this run and frees the leases that
+the node's earlier runs held when they stopped or died (pigeon_mta/node.py); then it runs the
 queue maintenance (lease sweeper, expiry, stats) and the worker processes. With one process the
 worker runs inside the supervisor; with several, each is a child process sharing the listening
 ports through SO_REUSEPORT. SIGTERM/SIGINT stop claiming, let in-flight work finish within
@@ -23,7 +24,7 @@ from typing import Protocol
 
 import asyncpg
 
-from pigeon_mta import metrics
+from pigeon_mta import metrics, node
 from pigeon_mta.config import ConfigError, Settings
 from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.logs import configured_level, setup_logging
@@ -47,20 +48,26 @@ def process_count(settings: Settings, requested: int | None) -> int:
     return count if count > 0 else max(1, os.cpu_count() or 1)
 
 
-async def prepare_database(settings: Settings, url: str) -> None:
-    """Migrate, create the trusted org, free this node's old leases. Runs once per node start."""
+async def prepare_database(
+    settings: Settings, url: str, run: node.NodeRun, lock: node.DataDirLock
+) -> None:
+    """Migrate, create the trusted org, take the node name, free the leases of the node's earlier
+    runs. Runs once per node start."""
     conn = await store_connect.connect(url, settings)
     try:
         applied = await store_migrate.migrate(conn)
         if applied:
             log.info("schema migrated: %s", ", ".join(f"{m.version:04d}_{m.name}" for m in applied))
         await store_orgs.ensure_org(conn, settings.relay.trusted_org)
-        freed = await store_queue.free_own_leases(conn, owner=settings.server.node_name)
+        await node.take_node_name(conn, run, lock)
+        freed = await store_queue.free_leases_of_gone_runs(
+            conn, node_name=run.name, stale_after=node.STALE_AFTER
+        )
         if freed:
             log.warning(
                 "freed %d recipient(s) that node %s held when it last stopped; they are due again",
                 freed,
-                settings.server.node_name,
+                run.name,
             )
     finally:
         await conn.close()
@@ -212,7 +219,12 @@ class _Resources:
 
 
 def worker_services(
-    settings: Settings, pool: asyncpg.Pool, commit_pool: asyncpg.Pool, url: str, index: int
+    settings: Settings,
+    pool: asyncpg.Pool,
+    commit_pool: asyncpg.Pool,
+    url: str,
+    index: int,
+    lease_owner: str,
 ) -> list[Service]:
     """The services of one worker process, in start order (they stop in reverse order)."""
     from pigeon_mta.outbound.engine import DeliveryEngine
@@ -229,7 +241,14 @@ def worker_services(
     # one coalesced NOTIFY for the other processes and nodes when this engine cannot take it all.
     waker = QueueWaker(lambda: store_connect.connect(url, settings))
     engine = (
-        DeliveryEngine(settings, pool, sign=signer, delivery_log=delivery_log, waker=waker)
+        DeliveryEngine(
+            settings,
+            pool,
+            sign=signer,
+            delivery_log=delivery_log,
+            waker=waker,
+            lease_owner=lease_owner,
+        )
         if settings.delivery.enabled
         else None
     )
@@ -276,15 +295,18 @@ def reload_services() -> None:
             os.kill(pid, signal.SIGHUP)
 
 
-async def run_worker(settings: Settings, url: str, index: int, stop: asyncio.Event) -> None:
-    """One serving process: its pools and the services that run in every process."""
+async def run_worker(
+    settings: Settings, url: str, index: int, stop: asyncio.Event, lease_owner: str
+) -> None:
+    """One serving process: its pools and the services that run in every process. `lease_owner`
+    names the node's run (pigeon_mta/node.py)."""
     # The pools close in reverse order, each whatever happens to the other.
     async with contextlib.AsyncExitStack() as pools:
         pool = await store_connect.create_pool(url, settings)
         pools.push_async_callback(pool.close)
         commit_pool = await store_connect.commit_pool(url, settings)
         pools.push_async_callback(commit_pool.close)
-        services = worker_services(settings, pool, commit_pool, url, index)
+        services = worker_services(settings, pool, commit_pool, url, index, lease_owner)
         await _run_services(services, index, stop, settings.server.shutdown_timeout)
 
 
@@ -321,10 +343,10 @@ async def _run_services(
             log.exception("worker %d: stopping %s failed", index, service.name)
 
 
-def _worker_process_main(settings: Settings, url: str, index: int) -> None:
+def _worker_process_main(settings: Settings, url: str, index: int, lease_owner: str) -> None:
     _install_child_logging(settings)
     use_uvloop()
-    asyncio.run(_worker_process_async(settings, url, index))
+    asyncio.run(_worker_process_async(settings, url, index, lease_owner))
 
 
 def _use_uvloop() -> None:
@@ -338,16 +360,17 @@ def _use_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-async def _worker_process_async(settings: Settings, url: str, index: int) -> None:
+async def _worker_process_async(settings: Settings, url: str, index: int, lease_owner: str) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    node.exit_with_supervisor(loop)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, reload_services)
     # The supervisor started this process with SIGHUP blocked (see _supervise_children): one sent
     # before now waited, and is delivered to the handler instead of killing the process.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
-    await run_worker(settings, url, index, stop)
+    await run_worker(settings, url, index, stop, lease_owner)
 
 
 def _install_child_logging(settings: Settings) -> None:
@@ -359,14 +382,25 @@ def _install_child_logging(settings: Settings) -> None:
 
 async def serve(settings: Settings, *, processes: int | None = None) -> int:
     setup_logging(configured_level(settings.log.level), settings.log.format)
+    # Held for the life of this process (the kernel drops it however the process ends).
+    with node.data_dir_lock(settings.server.data_dir) as lock:
+        run = node.NodeRun(settings.server.node_name)
+        lock.record(run)
+        return await _serve(settings, processes, run, lock)
+
+
+async def _serve(
+    settings: Settings, processes: int | None, run: node.NodeRun, lock: node.DataDirLock
+) -> int:
     location = await asyncio.to_thread(store_connect.locate_database, settings)
     log.info("database: %s", location.description)
-    await prepare_database(settings, location.url)
+    await prepare_database(settings, location.url, run, lock)
     count = process_count(settings, processes)
     log.info(
-        "node %s serving with %d process(es); config: %s",
+        "node %s serving with %d process(es) as run %s; config: %s",
         settings.server.node_name,
         count,
+        run.lease_owner,
         settings.source,
     )
 
@@ -379,6 +413,9 @@ async def serve(settings: Settings, *, processes: int | None = None) -> int:
     async with contextlib.AsyncExitStack() as resources:
         pool = await store_connect.create_pool(location.url, settings, size=3)
         resources.push_async_callback(pool.close)
+        heartbeat = node.Heartbeat(pool, run, on_displaced=stop)
+        heartbeat.start()
+        resources.push_async_callback(heartbeat.close)
         exposition = _metrics_exposition(count)  # before any worker process starts
         resources.callback(exposition.close)
         delivery_log = _open_delivery_log(settings)
@@ -398,12 +435,16 @@ async def serve(settings: Settings, *, processes: int | None = None) -> int:
         tasks = [asyncio.create_task(maintenance.run(stop), name="maintenance")]
         if count == 1:
             tasks.append(
-                asyncio.create_task(run_worker(settings, location.url, 0, stop), name="worker")
+                asyncio.create_task(
+                    run_worker(settings, location.url, 0, stop, run.lease_owner), name="worker"
+                )
             )
         else:
             tasks.append(
                 asyncio.create_task(
-                    _supervise_children(settings, location.url, count, stop, exposition)
+                    _supervise_children(
+                        settings, location.url, count, stop, exposition, run.lease_owner
+                    )
                 )
             )
         stopper = asyncio.create_task(stop.wait(), name="stop")
@@ -420,6 +461,7 @@ async def serve(settings: Settings, *, processes: int | None = None) -> int:
         log.info("stopping: draining in-flight work (up to %gs)", settings.server.shutdown_timeout)
         done, pending = await asyncio.wait(tasks, timeout=settings.server.shutdown_timeout + 10)
         stopper.cancel()
+        heartbeat.clean_stop = not pending
         for task in pending:
             task.cancel()
         for task in done:
@@ -428,7 +470,7 @@ async def serve(settings: Settings, *, processes: int | None = None) -> int:
                 if task not in failed:
                     failed.append(task)
     log.info("stopped")
-    return 1 if failed else 0
+    return 1 if failed or heartbeat.displaced else 0
 
 
 def _metrics_exposition(count: int) -> MetricsExposition:
@@ -479,7 +521,12 @@ def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
 
 
 async def _supervise_children(
-    settings: Settings, url: str, count: int, stop: asyncio.Event, exposition: MetricsExposition
+    settings: Settings,
+    url: str,
+    count: int,
+    stop: asyncio.Event,
+    exposition: MetricsExposition,
+    lease_owner: str,
 ) -> None:
     """Run `count` worker processes; restart one that dies; on stop, SIGTERM all and wait."""
     ctx = multiprocessing.get_context("spawn")
@@ -489,7 +536,7 @@ async def _supervise_children(
     def start(index: int) -> None:
         proc = ctx.Process(
             target=_worker_process_main,
-            args=(settings, url, index),
+            args=(settings, url, index, lease_owner),
             name=f"pigeon-worker-{index}",
             daemon=False,
         )

@@ -126,8 +126,9 @@ def _default_hostname() -> str:
 class ServerSettings:
     hostname: str = field(default_factory=_default_hostname)
     data_dir: str = field(default_factory=_default_data_dir)
-    # Name this node writes into the leases it takes; it must survive restarts (default: hostname),
-    # so that a node that starts again can free its own leases at once.
+    # This node's name, distinct per node and stable across restarts (default, or empty: the
+    # hostname). Each run of `serve` writes "<node_name>/<run id>" into the leases it takes; a
+    # second live node with the same name is refused (pigeon_mta/node.py).
     node_name: str = field(default_factory=socket.gethostname)
     # Accepting/delivering processes that `serve` runs; 0 means one per CPU core.
     processes: int = 0
@@ -393,6 +394,9 @@ def load_settings(
             settings, database=dataclasses.replace(settings.database, url=url)
         )
     settings = dataclasses.replace(settings, source=source)
+    if not settings.server.node_name:
+        server = dataclasses.replace(settings.server, node_name=socket.gethostname())
+        settings = dataclasses.replace(settings, server=server)
     _check(settings)
     assert isinstance(settings, Settings)
     return settings
@@ -499,6 +503,9 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
 
 def _check(settings: Settings) -> None:
     """Rules that span fields."""
+    if "/" in settings.server.node_name:
+        # A lease owner is "<node_name>/<run id>": the name must not look like a prefix of another.
+        raise ConfigError(f"'server.node_name' must not contain '/': {settings.server.node_name!r}")
     names = [listener.name for listener in settings.listener]
     for name in names:
         if names.count(name) > 1:

@@ -93,10 +93,12 @@ class DeliveryEngine:
         rng: random.Random | None = None,
         delivery_log: DeliveryLog | None = None,
         waker: QueueWaker | None = None,
+        lease_owner: str = "",
     ) -> None:
         self.settings = settings
         self.delivery = settings.delivery
-        self.owner = settings.server.node_name
+        # What its claims name as their holder: `serve` passes the node's run (pigeon_mta/node.py).
+        self.owner = lease_owner or settings.server.node_name
         self.pool = pool
         self.sign = sign
         self.router = router or Router(settings)

@@ -403,9 +403,19 @@ RETURNING recipient_id
 _SQL_ID = "gen_random_uuid()"
 
 _SWEEP = _REQUEUE_LOST.format(condition="lease_until < now()", id_function=_SQL_ID)
+# The leases of a node name's runs that are gone (lease owners are `<node name>/<run id>`). A run
+# is live while its row in `node` has it, is not stopped and has a fresh heartbeat (store/nodes.py);
+# a lease of a live run is never freed here, whatever its name, since that run may be mid-DATA.
+# Owners without a run id (written before runs had one) are left to the sweeper.
 # (lease_until IS NOT NULL: the rows in flight, through recipient_leased, not the whole table)
-_FREE_OWN = _REQUEUE_LOST.format(
-    condition="lease_until IS NOT NULL AND lease_owner = $2", id_function=_SQL_ID
+_FREE_GONE_RUNS = _REQUEUE_LOST.format(
+    condition="""lease_until IS NOT NULL AND starts_with(lease_owner, $2 || '/')
+        AND NOT EXISTS (
+            SELECT 1 FROM node n
+            WHERE n.name = $2 AND lease_owner = n.name || '/' || n.run_id
+              AND n.stopped_at IS NULL
+              AND n.heartbeat_at >= now() - make_interval(secs => $3))""",
+    id_function=_SQL_ID,
 )
 
 
@@ -414,9 +424,13 @@ async def requeue_expired_leases(db: Executor, *, limit: int = 1000) -> int:
     return len(await db.fetch(_SWEEP, limit))
 
 
-async def free_own_leases(db: Executor, *, owner: str, limit: int = 100_000) -> int:
-    """At node start: rows this node held before it stopped go back to queued at once."""
-    return len(await db.fetch(_FREE_OWN, limit, owner))
+async def free_leases_of_gone_runs(
+    db: Executor, *, node_name: str, stale_after: float, limit: int = 100_000
+) -> int:
+    """At node start: rows that earlier runs of this node name held when they stopped or died go
+    back to queued at once, instead of waiting for their leases to run out. A run whose heartbeat
+    is younger than `stale_after` seconds keeps its rows."""
+    return len(await db.fetch(_FREE_GONE_RUNS, limit, node_name, float(stale_after)))
 
 
 # ---------------------------------------------------------------- expiry

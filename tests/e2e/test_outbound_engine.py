@@ -140,7 +140,7 @@ async def test_after_kill_9_mid_batch_and_lease_expiry_every_recipient_is_delive
     deliveries = state.deliveries()
     assert len(deliveries) == 16 and min(deliveries.values()) >= 1
     lost = await pool.fetchval(
-        "SELECT count(*) FROM attempt WHERE response LIKE 'lease of node-a ended%'"
+        "SELECT count(*) FROM attempt WHERE response LIKE 'lease of node-a/% ended%'"
     )
     assert lost >= in_flight["delivering"]
 

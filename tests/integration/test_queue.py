@@ -242,14 +242,15 @@ async def test_dead_claimer_holds_rows_only_until_its_lease_runs_out(
 async def test_node_restart_frees_its_own_leases_at_once(
     pool: asyncpg.Pool, org_id: uuid.UUID
 ) -> None:
+    """Runs without a row in `node` are gone (tests/integration/test_nodes.py has the live ones)."""
     await bulk_queue(pool, org_id, messages=4)
-    await queue.claim_due_recipients(pool, owner="node-b", lease=3600, batch=2)
-    await queue.claim_due_recipients(pool, owner=OWNER, lease=3600, batch=2)
-    assert await queue.free_own_leases(pool, owner=OWNER) == 2
+    await queue.claim_due_recipients(pool, owner="node-b/run1", lease=3600, batch=2)
+    await queue.claim_due_recipients(pool, owner=f"{OWNER}/run1", lease=3600, batch=2)
+    assert await queue.free_leases_of_gone_runs(pool, node_name=OWNER, stale_after=30) == 2
     statuses = await pool.fetch("SELECT status, lease_owner FROM recipient ORDER BY status")
     assert sorted((r["status"], r["lease_owner"]) for r in statuses) == [
-        ("delivering", "node-b"),
-        ("delivering", "node-b"),
+        ("delivering", "node-b/run1"),
+        ("delivering", "node-b/run1"),
         ("queued", None),
         ("queued", None),
     ]

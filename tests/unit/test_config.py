@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,12 @@ def test_submission_defaults() -> None:
     assert s.relay.sender_policy == "strict"
     assert (s.limits.max_auth_failures, s.limits.auth_failure_window) == (5, 600)
     assert s.limits.credential_rate_limit == 0
+
+
+def test_node_name_defaults_to_the_hostname_and_must_not_contain_a_slash(tmp_path: Path) -> None:
+    """Lease owners are "<node_name>/<run id>": "a" must not be a prefix of another node's."""
+    assert load_settings(None, env={}).server.node_name == socket.gethostname()
+    empty = load_settings(write(tmp_path, '[server]\nnode_name = ""\n'), env={})
+    assert empty.server.node_name == socket.gethostname()
+    with pytest.raises(ConfigError, match=r"'server.node_name' must not contain '/'"):
+        load_settings(write(tmp_path, '[server]\nnode_name = "a/b"\n'), env={})
