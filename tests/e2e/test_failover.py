@@ -21,7 +21,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from tests.e2e.test_faults import QUEUED, node_config, start_serve, stop_serve, wait_delivered
+from tests.e2e.faults_helpers import QUEUED, node_config, start_serve, stop_serve, wait_delivered
 from tests.peers.pg_cluster import Cluster
 from tests.peers.smtp_sink import SinkState, start_sink, stop_servers
 
