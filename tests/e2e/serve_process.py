@@ -98,15 +98,20 @@ class ServeProcess:
 
 
 def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (Linux /proc)."""
+    """pid's children, grandchildren, ... (from /proc/<pid>/task/*/children)."""
     found: list[int] = []
-    try:
-        direct = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return found
-    for child in map(int, direct):
-        found.append(child)
-        found.extend(descendants(child))
+    todo = [pid]
+    while todo:
+        current = todo.pop()
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{current}/task"):
+                with (
+                    contextlib.suppress(OSError),
+                    open(f"/proc/{current}/task/{task}/children") as handle,
+                ):
+                    for child in handle.read().split():
+                        found.append(int(child))
+                        todo.append(int(child))
     return found
 
 
