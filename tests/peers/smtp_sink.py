@@ -55,6 +55,8 @@ class SinkState:
     messages: list[ReceivedMessage] = field(default_factory=list)
     seen: collections.Counter[str] = field(default_factory=collections.Counter)
     rcpt_commands: collections.Counter[str] = field(default_factory=collections.Counter)
+    # Every AUTH the sinks were sent, right or wrong: (sink, login, password).
+    auth_attempts: list[tuple[str, str, str]] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -254,12 +256,13 @@ class _RefusingGreeting(asyncio.Protocol):
         transport.close()
 
 
-def authenticator(users: dict[str, str]) -> Any:
+def authenticator(users: dict[str, str], state: SinkState, sink: str) -> Any:
     def check(
         server: SMTP, session: Session, envelope: Envelope, mechanism: str, data: Any
     ) -> AuthResult:
         if isinstance(data, LoginPassword):
             login, password = data.login.decode(), data.password.decode()
+            state.auth_attempts.append((sink, login, password))
             if users.get(login) == password:
                 return AuthResult(success=True, auth_data=login)
         return AuthResult(success=False, handled=False)
@@ -290,7 +293,7 @@ async def start_sink(
     handler = SinkHandler(state, host, pipelining=pipelining)
     extra: dict[str, Any] = {}
     if users is not None:
-        extra = {"authenticator": authenticator(users), "auth_require_tls": True}
+        extra = {"authenticator": authenticator(users, state, host), "auth_require_tls": True}
 
     def factory() -> SinkSMTP:
         return SinkSMTP(
