@@ -46,6 +46,7 @@ class ReceivedMessage:
     replied: bool  # False when the sink cut the connection instead of answering
     helo: str | None = None  # the client's EHLO name
     at: float = field(default_factory=time.time)
+    replied_at: float | None = None  # when the sink sent its 250 for the message (time.time())
 
 
 @dataclass
@@ -182,6 +183,7 @@ class SinkHandler:
             return "554 5.6.0 message content rejected"
         state.messages.append(received)
         state._note()
+        received.replied_at = time.time()
         return "250 2.0.0 OK queued"
 
     def _first(self, kind: str, envelope: Envelope) -> bool:
