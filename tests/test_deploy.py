@@ -75,8 +75,14 @@ def test_dashboard_and_alerts_use_only_metrics_pigeon_exports() -> None:
                      "pigeon_queue_recipients", "pigeon_queue_oldest_age_seconds",
                      "pigeon_delivery_attempt_seconds_bucket",
                      "pigeon_accept_to_delivery_seconds_bucket",
-                     "pigeon_outbound_connections_open"):  # fmt: skip
+                     "pigeon_outbound_connections_open", "pigeon_dkim_unsigned_total"):  # fmt: skip
         assert contract in used, f"the dashboard does not show {contract}"
+
+
+def test_an_alert_fires_on_unsigned_mail() -> None:
+    """Mail that leaves unsigned is otherwise only a counter (alerts_test.yml says when)."""
+    assert "pigeon_dkim_unsigned_total" in metric_names(alert_rules_text())
+    assert "alertname: PigeonMTAUnsignedMail" in (PROMETHEUS / "alerts_test.yml").read_text()
 
 
 def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
