@@ -25,7 +25,7 @@ from typing import Protocol
 import asyncpg
 
 from pigeon_mta import metrics, node
-from pigeon_mta.config import ConfigError, Settings
+from pigeon_mta.config import ConfigError, Settings, config_warnings
 from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.logs import configured_level, setup_logging
 from pigeon_mta.observability.exposition import MetricsExposition, MultiprocessSetupError
@@ -394,6 +394,8 @@ async def _serve(
 ) -> int:
     location = await asyncio.to_thread(store_connect.locate_database, settings)
     log.info("database: %s", location.description)
+    for warning in config_warnings(settings):
+        log.warning("%s", warning)
     await prepare_database(settings, location.url, run, lock)
     count = process_count(settings, processes)
     log.info(

@@ -273,12 +273,16 @@ class DeliverySettings:
     # Address family order for MX hosts: ipv4 | ipv6 (that family first, then the other) |
     # ipv4-only | ipv6-only.
     ip_preference: IpPreference = "ipv4"
-    # SMTP AUTH at the relayhost (both or neither). AUTH is sent only over TLS, so it needs
-    # relayhost_tls = "required" or "verify".
+    # SMTP AUTH at the relayhost (both or neither). The password goes only to a relayhost whose
+    # certificate verifies: it needs relayhost_tls = "verify" (or relayhost_auth_insecure).
     relayhost_username: str = ""
     relayhost_password: str = ""
     # TLS policy for the relayhost (same choices as `tls`).
     relayhost_tls: TlsPolicy = "opportunistic"
+    # true: send the relayhost password over relayhost_tls = "required", which takes any
+    # certificate, so whoever sits between this node and the relayhost can collect it. Warned
+    # about at start and by check-config. Never over plaintext.
+    relayhost_auth_insecure: bool = False
     # A delivery that would wait longer than this for its destination's concurrency or rate limit
     # goes back to the queue until the destination has room (not counted as an attempt).
     throttle_wait: Duration = Duration(5)
@@ -565,12 +569,40 @@ def _check_outbound(delivery: DeliverySettings) -> None:
         )
     if delivery.relayhost_username and delivery.relayhost_tls not in ("required", "verify"):
         raise ConfigError(
-            "'delivery.relayhost_tls' must be required or verify when relayhost_username is set "
+            "'delivery.relayhost_tls' must be verify when 'delivery.relayhost_username' is set "
             "(a password is never sent in plaintext)"
+        )
+    if (
+        delivery.relayhost_username
+        and delivery.relayhost_tls != "verify"
+        and not delivery.relayhost_auth_insecure
+    ):
+        raise ConfigError(
+            "'delivery.relayhost_tls' must be verify when 'delivery.relayhost_username' is set "
+            "(required takes any certificate, so a man in the middle would collect the password; "
+            "'delivery.relayhost_auth_insecure = true' allows it anyway)"
         )
     for pattern, dest in delivery.destination.items():
         if dest.rate < 0:
             raise ConfigError(f"'delivery.destination.{pattern}.rate' must not be negative")
+
+
+def config_warnings(settings: Settings) -> list[str]:
+    """Valid settings that put something at risk, one sentence each: logged by `serve` at start
+    and printed by `check-config`."""
+    warnings: list[str] = []
+    delivery = settings.delivery
+    if (
+        delivery.relayhost_username
+        and delivery.relayhost_tls != "verify"
+        and delivery.relayhost_auth_insecure
+    ):
+        warnings.append(
+            f"the relayhost password goes to any certificate ('delivery.relayhost_tls' is "
+            f"{delivery.relayhost_tls}, 'delivery.relayhost_auth_insecure' is true): whoever "
+            "sits between this node and the relayhost can collect it; use verify"
+        )
+    return warnings
 
 
 def _check_submission(settings: Settings) -> None:

@@ -136,6 +136,8 @@ def reception_records(
             code=250,
             enhanced_code="2.0.0",
             response=queued_reply(queue_id),
+            tls_version=envelope.tls_version,
+            tls_cipher=envelope.tls_cipher,
             extra=_reception_extra(
                 envelope.listener, envelope.client_helo, envelope.auth_user, len(envelope.body)
             ),
@@ -207,6 +209,8 @@ def story_records(story: MessageStory) -> list[Record]:
             code=250,
             enhanced_code="2.0.0",
             response=queued_reply(m.id),
+            tls_version=m.tls_version,
+            tls_cipher=m.tls_cipher,
             extra=_reception_extra(m.listener, m.client_helo, m.auth_user, m.size),
         )
         for r in story.recipients
@@ -421,13 +425,11 @@ class DeliveryLog:
     def from_settings(cls, settings: Settings) -> DeliveryLog:
         return cls.open(settings.log.delivery_log)
 
-    def reception(
-        self, queue_id: uuid.UUID, envelope: Envelope, *, received_at: datetime | None = None
-    ) -> None:
-        """A message was queued (call after the commit): one Reception record per recipient."""
-        self.write(
-            reception_records(queue_id, envelope, received_at=received_at or datetime.now(UTC))
-        )
+    def reception(self, queue_id: uuid.UUID, envelope: Envelope) -> None:
+        """A message was queued (call after the commit): one Reception record per recipient,
+        stamped with the envelope's `received_at`, the instant the message row holds too."""
+        received_at = envelope.received_at or datetime.now(UTC)
+        self.write(reception_records(queue_id, envelope, received_at=received_at))
 
     def attempts(self, delivery: Delivery, results: Sequence[AttemptResult]) -> None:
         """Outcomes of one delivery (call after `record_attempts`): one record per result."""

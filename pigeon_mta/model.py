@@ -65,6 +65,11 @@ class Envelope:
     client_helo: str | None = None
     credential_id: uuid.UUID | None = None
     auth_user: str | None = None
+    # When the message was received; the queue's clock (now()) when None. The Reception event,
+    # the message row and the Received header all show this one instant.
+    received_at: datetime | None = None
+    tls_version: str | None = None  # the TLS session it arrived over, None without TLS
+    tls_cipher: str | None = None
 
 
 def storable_text(text: str | None) -> str | None:

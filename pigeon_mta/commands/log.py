@@ -107,6 +107,7 @@ def _timeline(story: MessageStory) -> list[dict[str, Any]]:
             "event": "Reception",
             "recipient": story.recipients[0].address if count == 1 else f"{count} recipients",
             "ip": m.client_ip,
+            "tls": m.tls_version,
             "reply": f"250 2.0.0 Ok: queued as {m.id}",
         }
     ]

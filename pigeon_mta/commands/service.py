@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 from pigeon_mta import app
 from pigeon_mta.commands.common import add_common, open_database, print_object, settings_from
-from pigeon_mta.config import load_settings, settings_schema_keys
+from pigeon_mta.config import config_warnings, load_settings, settings_schema_keys
 
 
 def register(sub: Any) -> None:
@@ -56,6 +57,8 @@ async def cmd_migrate(args: argparse.Namespace) -> int:
 async def cmd_check_config(args: argparse.Namespace) -> int:
     path = args.file or args.config or os.environ.get("PIGEON_CONFIG") or None
     settings = load_settings(path)
+    for warning in config_warnings(settings):
+        print(f"warning: {warning}", file=sys.stderr)
     print_object(
         args,
         {

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import aiosmtplib
 
@@ -48,7 +49,11 @@ class RecipientResult:
 class TransactionResult:
     results: tuple[RecipientResult, ...]
     peer: Peer
-    duration: float
+    duration: float  # from the first connection try to the final reply
+    # When the final reply arrived (wall clock): the time of the attempt's event. The claim, the
+    # route and the destination's limits come before `duration` starts, so a start taken before
+    # them plus `duration` would fall before the receiver had answered.
+    finished_at: datetime
     reusable: bool  # the connection may carry another message
     reused: bool  # the transaction ran on a connection that had carried one before
 
@@ -82,6 +87,7 @@ def not_connected(
         results=tuple(RecipientResult(r, failure.stage, failure.result) for r in recipients),
         peer=Peer(failure.host, failure.ip, failure.port),
         duration=time.monotonic() - started,
+        finished_at=datetime.now(UTC),
         reusable=False,
         reused=False,
     )
@@ -201,6 +207,7 @@ def _result(
         results=tuple(results[r.id] for r in recipients),
         peer=Peer(key.host, key.ip, key.port, conn.tls_version, conn.tls_cipher),
         duration=time.monotonic() - started,
+        finished_at=datetime.now(UTC),
         reusable=reusable and conn.usable,
         reused=reused,
     )

@@ -417,7 +417,9 @@ class DeliveryEngine:
         finally:
             self.gates.leave(entered)
         DELIVERY_ATTEMPT_SECONDS.observe(tx.duration)
-        return self._judge(delivery, list(tx.results), tx.peer, tx.duration, started_at)
+        # Started so that start + duration is when the final reply came (attempt.py).
+        tx_started_at = tx.finished_at - timedelta(seconds=tx.duration)
+        return self._judge(delivery, list(tx.results), tx.peer, tx.duration, tx_started_at)
 
     async def _transaction(
         self, delivery: Delivery, route: Route, tls: TlsPolicy, max_messages: int

@@ -16,6 +16,7 @@ import logging
 import socket
 import ssl
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import aiosmtplib
@@ -146,14 +147,29 @@ class SmtpConnection:
         self.abort()
 
 
+# Opportunistic TLS takes any cipher OpenSSL still has, at security level 0: a server that speaks
+# only TLS 1.0 or 1.1 (with their SHA-1 CBC suites, which Python's default list and OpenSSL 3's
+# default level refuse) gets TLS rather than plaintext, as Postfix's `may` gives it. Anonymous and
+# null ciphers stay out. The server still chooses, and modern servers choose as before.
+OPPORTUNISTIC_CIPHERS = "DEFAULT:!aNULL:!eNULL:@SECLEVEL=0"
+
+
 def tls_context(policy: TlsPolicy, ca_file: str = "") -> ssl.SSLContext:
     """The client context for a policy: `verify` checks the chain and the name; the others take
-    any certificate (opportunistic TLS protects against passive listeners only, RFC 7435)."""
+    any certificate (opportunistic TLS protects against passive listeners only, RFC 7435).
+    `verify` and `required` need TLS 1.2 or later; `opportunistic` takes TLS 1.0 and later, since
+    the other choice is plaintext."""
     if policy == "verify":
         return ssl.create_default_context(cafile=ca_file or None)
     context = ssl.create_default_context()
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
+    if policy == "opportunistic":
+        context.set_ciphers(OPPORTUNISTIC_CIPHERS)
+        with warnings.catch_warnings():
+            # Python warns that TLS 1.0 is deprecated; here it is on purpose (above).
+            warnings.simplefilter("ignore", DeprecationWarning)
+            context.minimum_version = ssl.TLSVersion.TLSv1
     return context
 
 

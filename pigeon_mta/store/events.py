@@ -31,6 +31,8 @@ class MessageRecord:
     client_ip: str | None
     client_helo: str | None
     auth_user: str | None
+    tls_version: str | None = None
+    tls_cipher: str | None = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,8 @@ class MessageStory:
 # ---------------------------------------------------------------- finding messages
 
 _MESSAGE_COLUMNS = """m.id, m.org_id, o.name AS org_name, m.sender, m.header_message_id, m.size,
-    m.received_at, m.listener, host(m.client_ip) AS client_ip, m.client_helo, m.auth_user"""
+    m.received_at, m.listener, host(m.client_ip) AS client_ip, m.client_helo, m.auth_user,
+    m.tls_version, m.tls_cipher"""
 
 _BY_QUEUE_ID = f"""
 SELECT {_MESSAGE_COLUMNS} FROM message m JOIN org o ON o.id = m.org_id WHERE m.id = $1
@@ -120,6 +123,8 @@ def _message(row: asyncpg.Record) -> MessageRecord:
         client_ip=row["client_ip"],
         client_helo=row["client_helo"],
         auth_user=row["auth_user"],
+        tls_version=row["tls_version"],
+        tls_cipher=row["tls_cipher"],
     )
 
 

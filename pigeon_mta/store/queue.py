@@ -48,8 +48,10 @@ def recipient_domain(address: str) -> str:
 _ENQUEUE_ONE_TEMPLATE = """
 WITH m AS (
     INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
-                         client_ip, client_helo, credential_id, auth_user)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8::inet, $9, $10, $11)
+                         client_ip, client_helo, credential_id, auth_user, received_at,
+                         tls_version, tls_cipher)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8::inet, $9, $10, $11,
+            COALESCE($15::timestamptz, now()), $16, $17)
     RETURNING id, org_id, received_at
 ), r AS (
     INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at)
@@ -61,9 +63,16 @@ SELECT {final}
 _ENQUEUE_MANY_TEMPLATE = """
 WITH m AS (
     INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
-                         client_ip, client_helo, credential_id, auth_user)
-    SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::int[], $6::bytea[],
-                         $7::text[], $8::inet[], $9::text[], $10::uuid[], $11::text[])
+                         client_ip, client_helo, credential_id, auth_user, received_at,
+                         tls_version, tls_cipher)
+    SELECT u.id, u.org_id, u.sender, u.header_message_id, u.size, u.body, u.listener,
+           u.client_ip, u.client_helo, u.credential_id, u.auth_user,
+           COALESCE(u.received_at, now()), u.tls_version, u.tls_cipher
+    FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::int[], $6::bytea[],
+                $7::text[], $8::inet[], $9::text[], $10::uuid[], $11::text[],
+                $16::timestamptz[], $17::text[], $18::text[])
+         AS u (id, org_id, sender, header_message_id, size, body, listener, client_ip,
+               client_helo, credential_id, auth_user, received_at, tls_version, tls_cipher)
     RETURNING id, org_id, received_at
 ), r AS (
     INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at)
@@ -131,6 +140,9 @@ async def enqueue_many(
             new_ids(len(e.recipients)),
             list(e.recipients),
             [recipient_domain(r) for r in e.recipients],
+            e.received_at,
+            e.tls_version,
+            e.tls_cipher,
         )
         return
     recipients = [(q, r) for q, envelope in batch for r in envelope.recipients]
@@ -151,6 +163,9 @@ async def enqueue_many(
         [q for q, _r in recipients],
         [r for _q, r in recipients],
         [recipient_domain(r) for _q, r in recipients],
+        [e.received_at for _q, e in batch],
+        [e.tls_version for _q, e in batch],
+        [e.tls_cipher for _q, e in batch],
     )
 
 

@@ -310,6 +310,9 @@ class SubmissionHandler:
             client_helo=_printable(conv.helo),
             credential_id=conv.login.id if conv.login else None,
             auth_user=conv.login.username if conv.login else None,
+            received_at=received_at,
+            tls_version=conv.tls_version,
+            tls_cipher=conv.tls_cipher,
         )
         reception = Reception(
             queue_id=queue_id,
@@ -383,9 +386,7 @@ class SubmissionHandler:
         """After the commit: wake the engines, write the Reception records and the log line."""
         self.ctx.on_queued(len(message.recipients))
         if self.ctx.delivery_log is not None:
-            self.ctx.delivery_log.reception(
-                reception.queue_id, message, received_at=reception.received_at
-            )
+            self.ctx.delivery_log.reception(reception.queue_id, message)
         record_reception(reception)
 
     def _orphan_outcome(

@@ -44,3 +44,27 @@ def test_check_config_accepts_a_good_file(tmp_path: Path) -> None:
     result = run_pigeon("check-config", str(path))
     assert result.returncode == 0, result.stderr
     assert "ok" in result.stdout
+
+
+RELAYHOST_AUTH = (
+    '[delivery]\nrelayhost = "smtp.example:587"\nrelayhost_username = "u"\n'
+    'relayhost_password = "p"\nrelayhost_tls = "required"\n'
+)
+
+
+def test_check_config_refuses_relayhost_auth_to_any_certificate(tmp_path: Path) -> None:
+    path = tmp_path / "relay.toml"
+    path.write_text(RELAYHOST_AUTH)
+    result = run_pigeon("check-config", str(path))
+    assert result.returncode == 2
+    for key in ("delivery.relayhost_tls", "delivery.relayhost_username", "relayhost_auth_insecure"):
+        assert key in result.stderr
+
+
+def test_check_config_warns_about_the_insecure_relayhost_opt_out(tmp_path: Path) -> None:
+    path = tmp_path / "relay.toml"
+    path.write_text(RELAYHOST_AUTH + "relayhost_auth_insecure = true\n")
+    result = run_pigeon("check-config", str(path))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith("warning: the relayhost password goes to any certificate")
+    assert "ok" in result.stdout

@@ -8,6 +8,8 @@ engine --STARTTLS--> 127.0.0.5 (certificate for mx.tls.test, from a trustme CA)
 
 from __future__ import annotations
 
+import asyncio
+import ssl
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,7 +17,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from pigeon_mta.config import DestinationSettings
+from pigeon_mta.config import DestinationSettings, Settings, TlsPolicy
 from tests.integration.outbound_helpers import (
     attempts,
     running_engine,
@@ -23,6 +25,7 @@ from tests.integration.outbound_helpers import (
     wait_attempts,
     wait_final,
 )
+from tests.peers.smtp_sink import start_sink, stop_servers
 from tests.peers.world import RELAY_USER, World, mail_world
 
 
@@ -159,3 +162,126 @@ async def test_a_static_route_overrides_dns(
         assert await wait_final(pool, qid) == {"bob@corp.example": "delivered"}
     assert world.sinks.messages[0].sink == "127.0.0.3"
     assert world.dns.asked("corp.example", "MX") == 0
+
+
+async def start_mitm_relay(world: World) -> asyncio.Server:
+    """A man in the middle answering for mitm-relay.test with a certificate for another name
+    (from the CA the engine trusts); it offers AUTH and notes every password it is sent."""
+    world.dns.a("mitm-relay.test", "127.0.0.8")
+    return await start_sink(
+        world.sinks,
+        "127.0.0.8",
+        world.port,
+        tls_context=world.ca.server_context("someone-else.test"),
+        users=dict([RELAY_USER]),
+    )
+
+
+def relayhost_settings(world: World, db_url: str, tls: TlsPolicy) -> Settings:
+    return world.settings(
+        db_url,
+        relayhost=f"mitm-relay.test:{world.port}",
+        relayhost_username=RELAY_USER[0],
+        relayhost_password=RELAY_USER[1],
+        relayhost_tls=tls,
+        relayhost_auth_insecure=tls != "verify",
+        retry_initial=60,
+        retry_max=60,
+    )
+
+
+async def test_a_relayhost_with_another_names_certificate_never_gets_the_password(
+    world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
+) -> None:
+    mitm = await start_mitm_relay(world)
+    try:
+        async with running_engine(relayhost_settings(world, db_url, "verify"), pool, db_url):
+            qid = await send(pool, org_id, "a@one.example")
+            [row] = await wait_attempts(pool, qid, 1)
+    finally:
+        await stop_servers([mitm])
+    assert (row["outcome"], row["rule"].split("; ")[0]) == ("deferred", "tls-failed")
+    assert world.sinks.connections["127.0.0.8"] == 1
+    assert world.sinks.messages == []
+    assert world.sinks.auth_attempts == []
+
+
+async def test_the_insecure_opt_out_hands_the_password_to_whoever_answers(
+    world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
+) -> None:
+    """What `relayhost_auth_insecure = true` means (and why config refuses `required` without
+    it): the man in the middle gets the credentials and the mail."""
+    mitm = await start_mitm_relay(world)
+    try:
+        async with running_engine(relayhost_settings(world, db_url, "required"), pool, db_url):
+            qid = await send(pool, org_id, "a@one.example")
+            assert await wait_final(pool, qid) == {"a@one.example": "delivered"}
+    finally:
+        await stop_servers([mitm])
+    assert world.sinks.auth_attempts == [("127.0.0.8", *RELAY_USER)]
+
+
+LEGACY_TLS = [
+    pytest.param(ssl.TLSVersion.TLSv1, "TLSv1", id="TLS 1.0"),
+    pytest.param(ssl.TLSVersion.TLSv1_1, "TLSv1.1", id="TLS 1.1"),
+]
+
+
+async def start_legacy_mx(world: World, version: ssl.TLSVersion) -> asyncio.Server:
+    """mx.oldtls.test: STARTTLS with only TLS 1.0 or 1.1, as old servers still answer."""
+    world.dns.mx("oldtls.test", (10, "mx.oldtls.test"))
+    world.dns.a("mx.oldtls.test", "127.0.0.10")
+    return await start_sink(
+        world.sinks,
+        "127.0.0.10",
+        world.port,
+        tls_context=world.ca.legacy_server_context(version, "mx.oldtls.test"),
+    )
+
+
+@pytest.mark.parametrize(("version", "name"), LEGACY_TLS)
+async def test_opportunistic_tls_speaks_tls_1_0_and_1_1_rather_than_plaintext(
+    world: World,
+    pool: asyncpg.Pool,
+    org_id: uuid.UUID,
+    db_url: str,
+    version: ssl.TLSVersion,
+    name: str,
+) -> None:
+    mx = await start_legacy_mx(world, version)
+    try:
+        async with running_engine(world.settings(db_url), pool, db_url):
+            qid = await send(pool, org_id, "bob@oldtls.test")
+            assert await wait_final(pool, qid) == {"bob@oldtls.test": "delivered"}
+    finally:
+        await stop_servers([mx])
+    [row] = await attempts(pool, qid)
+    assert row["tls_version"] == name and row["tls_cipher"]
+    [message] = world.sinks.messages
+    assert message.tls
+    assert world.sinks.connections["127.0.0.10"] == 1  # no plaintext retry
+
+
+@pytest.mark.parametrize("policy", ["required", "verify"])
+@pytest.mark.parametrize(("version", "name"), LEGACY_TLS)
+async def test_required_and_verify_keep_tls_1_2_as_their_minimum(
+    world: World,
+    pool: asyncpg.Pool,
+    org_id: uuid.UUID,
+    db_url: str,
+    version: ssl.TLSVersion,
+    name: str,
+    policy: TlsPolicy,
+) -> None:
+    mx = await start_legacy_mx(world, version)
+    settings = world.settings(db_url, tls=policy, retry_initial=60, retry_max=60)
+    try:
+        async with running_engine(settings, pool, db_url):
+            qid = await send(pool, org_id, "bob@oldtls.test")
+            [row] = await wait_attempts(pool, qid, 1)
+    finally:
+        await stop_servers([mx])
+    # The server ends the handshake (it cannot agree on a version): deferred, never plaintext.
+    assert row["outcome"] == "deferred", row["response"]
+    assert world.sinks.messages == []
+    assert world.sinks.connections["127.0.0.10"] == 1

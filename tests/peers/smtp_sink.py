@@ -46,6 +46,7 @@ class ReceivedMessage:
     replied: bool  # False when the sink cut the connection instead of answering
     helo: str | None = None  # the client's EHLO name
     at: float = field(default_factory=time.time)
+    replied_at: float | None = None  # when the sink sent its 250 for the message (time.time())
 
 
 @dataclass
@@ -55,6 +56,8 @@ class SinkState:
     messages: list[ReceivedMessage] = field(default_factory=list)
     seen: collections.Counter[str] = field(default_factory=collections.Counter)
     rcpt_commands: collections.Counter[str] = field(default_factory=collections.Counter)
+    # Every AUTH the sinks were sent, right or wrong: (sink, login, password).
+    auth_attempts: list[tuple[str, str, str]] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -180,6 +183,7 @@ class SinkHandler:
             return "554 5.6.0 message content rejected"
         state.messages.append(received)
         state._note()
+        received.replied_at = time.time()
         return "250 2.0.0 OK queued"
 
     def _first(self, kind: str, envelope: Envelope) -> bool:
@@ -254,12 +258,13 @@ class _RefusingGreeting(asyncio.Protocol):
         transport.close()
 
 
-def authenticator(users: dict[str, str]) -> Any:
+def authenticator(users: dict[str, str], state: SinkState, sink: str) -> Any:
     def check(
         server: SMTP, session: Session, envelope: Envelope, mechanism: str, data: Any
     ) -> AuthResult:
         if isinstance(data, LoginPassword):
             login, password = data.login.decode(), data.password.decode()
+            state.auth_attempts.append((sink, login, password))
             if users.get(login) == password:
                 return AuthResult(success=True, auth_data=login)
         return AuthResult(success=False, handled=False)
@@ -290,7 +295,7 @@ async def start_sink(
     handler = SinkHandler(state, host, pipelining=pipelining)
     extra: dict[str, Any] = {}
     if users is not None:
-        extra = {"authenticator": authenticator(users), "auth_require_tls": True}
+        extra = {"authenticator": authenticator(users, state, host), "auth_require_tls": True}
 
     def factory() -> SinkSMTP:
         return SinkSMTP(

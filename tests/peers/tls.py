@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ssl
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,17 @@ class TestCA:
         """A server context with a certificate for `names` (host names or IP addresses)."""
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         self.ca.issue_cert(*names).configure_cert(context)
+        return context
+
+    def legacy_server_context(self, version: ssl.TLSVersion, *names: str) -> ssl.SSLContext:
+        """A server context that speaks only `version` (TLS 1.0 or 1.1), as old MX hosts do.
+        This OpenSSL serves them only at security level 0 (their suites use SHA-1)."""
+        context = self.server_context(*names)
+        context.set_ciphers("DEFAULT:@SECLEVEL=0")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            context.minimum_version = version
+            context.maximum_version = version
         return context
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pigeon_mta.config import ConfigError, DestinationSettings, load_settings
+from pigeon_mta.config import ConfigError, DestinationSettings, config_warnings, load_settings
 
 
 def test_destination_tables_and_outbound_keys(tmp_path: Path) -> None:
@@ -64,16 +64,36 @@ def test_mistakes_name_their_key(tmp_path: Path, text: str, expected: str) -> No
     assert expected in str(info.value)
 
 
-def test_relayhost_auth_over_required_tls_is_accepted(tmp_path: Path) -> None:
+RELAYHOST_AUTH = '[delivery]\nrelayhost = "smtp.example:587"\nrelayhost_username = "u"\nrelayhost_password = "p"\n'
+
+
+def test_relayhost_auth_over_tls_that_takes_any_certificate_is_refused(tmp_path: Path) -> None:
+    """`required` takes any certificate: a man in the middle would collect the password."""
+    with pytest.raises(ConfigError) as info:
+        load_settings(_write(tmp_path, RELAYHOST_AUTH + 'relayhost_tls = "required"\n'), env={})
+    for key in ("delivery.relayhost_tls", "delivery.relayhost_username", "relayhost_auth_insecure"):
+        assert key in str(info.value)
+
+
+def test_relayhost_auth_over_verified_tls_is_accepted_without_a_warning(tmp_path: Path) -> None:
     settings = load_settings(
-        _write(
-            tmp_path,
-            '[delivery]\nrelayhost = "smtp.example:587"\nrelayhost_username = "u"\n'
-            'relayhost_password = "p"\nrelayhost_tls = "required"\n',
-        ),
-        env={},
+        _write(tmp_path, RELAYHOST_AUTH + 'relayhost_tls = "verify"\n'), env={}
     )
-    assert settings.delivery.relayhost_tls == "required"
+    assert settings.delivery.relayhost_tls == "verify"
+    assert config_warnings(settings) == []
+
+
+def test_the_insecure_opt_out_allows_required_tls_with_a_warning(tmp_path: Path) -> None:
+    text = RELAYHOST_AUTH + 'relayhost_tls = "required"\nrelayhost_auth_insecure = true\n'
+    settings = load_settings(_write(tmp_path, text), env={})
+    [warning] = config_warnings(settings)
+    assert "relayhost_auth_insecure" in warning and "password" in warning
+
+
+def test_the_insecure_opt_out_never_allows_plaintext(tmp_path: Path) -> None:
+    text = RELAYHOST_AUTH + 'relayhost_tls = "opportunistic"\nrelayhost_auth_insecure = true\n'
+    with pytest.raises(ConfigError, match="never sent in plaintext"):
+        load_settings(_write(tmp_path, text), env={})
 
 
 def _write(tmp_path: Path, text: str) -> Path:
