@@ -227,6 +227,7 @@ def worker_services(
     lease_owner: str,
 ) -> list[Service]:
     """The services of one worker process, in start order (they stop in reverse order)."""
+    from pigeon_mta.header_bounds import FieldBounds
     from pigeon_mta.outbound.engine import DeliveryEngine
     from pigeon_mta.signer import DkimSigner
     from pigeon_mta.store.notify import QueueWaker
@@ -235,7 +236,12 @@ def worker_services(
     from pigeon_mta.submission.service import SubmissionService
 
     delivery_log = DeliveryLog.from_settings(settings)
-    signer = DkimSigner(pool)
+    signer = DkimSigner(
+        pool,
+        from_bounds=FieldBounds(
+            settings.limits.max_from_addresses, settings.limits.max_from_length
+        ),
+    )
     # One waker per process: the engine waits on it; LISTEN brings mail queued elsewhere, and this
     # process's listeners wake it directly after each commit (NotifySender.poke), which also sends
     # one coalesced NOTIFY for the other processes and nodes when this engine cannot take it all.

@@ -94,6 +94,9 @@ def rule(
 C = Category
 
 RULES: tuple[Rule, ...] = (
+    # ---- a local failure that recurred on every attempt (outbound/classify.py): pigeon-mta's
+    # own trouble with the message, never about the recipient, whatever the error text says
+    rule("local-failure-repeated", C.OTHER, code="000", enhanced="5.3.0"),
     # ---- about our own sender address, never about the recipient: must not suppress anyone
     # (X.1.7/X.1.8 bad sender address, X.7.27 sender's domain has a null MX).
     rule("sender-address-code", C.POLICY, enhanced="x.(1.7|1.8|7.27)"),

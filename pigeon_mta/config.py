@@ -165,9 +165,10 @@ class RelaySettings:
     trusted_networks: tuple[Network, ...] = (Network("127.0.0.0/8"), Network("::1/128"))
     trusted_org: str = "internal"
     # Which sender addresses an authenticated user may use (clients from trusted networks are not
-    # checked): "strict" = the envelope sender and every From: header address must be in one of the
-    # user's org's sender domains; "envelope" = only the envelope sender is checked; "off" = no check.
-    # A refused sender gets 553 5.7.1.
+    # checked): "strict" = the envelope sender and every From:, Sender:, Resent-From: and
+    # Resent-Sender: address must be in one of the user's org's sender domains, and a message
+    # must name a From: address (else 550 5.7.1); "envelope" = only the envelope sender is
+    # checked; "off" = no check. A refused sender gets 553 5.7.1.
     sender_policy: Literal["strict", "envelope", "off"] = "strict"
 
 
@@ -181,6 +182,13 @@ class LimitsSettings:
     max_header_size: int = 1048576
     # Recipients per message; one more gets 452 4.5.3 (the client sends the rest in another).
     max_recipients: int = 100
+    # Addresses in one From: field, and characters in its unfolded value (one address, with its
+    # display name and comments, at most 512; comments nested at most 8 deep). A From: beyond
+    # them is not parsed (see header_bounds.py): 550 5.6.0 after DATA, from any client, and
+    # nothing is queued. They bound Sender:, Resent-From: and Resent-Sender: alike where the
+    # sender policy reads them.
+    max_from_addresses: int = 100
+    max_from_length: int = 8192
     # Open connections from one client IP, counted per worker process; one more gets 421 4.7.0.
     # 0 = no limit.
     max_connections_per_ip: int = 50
@@ -615,6 +623,9 @@ def _check_submission(settings: Settings) -> None:
     for key in ("command_timeout", "data_timeout", "auth_failure_window", "credential_rate_window"):
         if getattr(limits, key) <= 0:
             raise ConfigError(f"'limits.{key}' must be more than zero")
+    for key in ("max_from_addresses", "max_from_length"):
+        if getattr(limits, key) < 1:
+            raise ConfigError(f"'limits.{key}' must be at least 1")
 
 
 def _check_host_port(value: str, key: str, default_port: int) -> None:

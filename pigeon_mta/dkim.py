@@ -31,6 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519, padding, rsa, uti
 from dkim.canonicalization import correct_empty_body, strip_trailing_lines
 
 from pigeon_mta.domains import ascii_domain
+from pigeon_mta.header_bounds import FieldBounds, FieldProblem, split_addresses
 
 Algorithm = Literal["rsa", "ed25519"]
 ALGORITHMS: tuple[Algorithm, ...] = ("rsa", "ed25519")
@@ -377,11 +378,15 @@ def relaxed_body(body: bytes) -> bytes:
 _FIELD_START = re.compile(rb"^([\x21-\x39\x3b-\x7e]+)[ \t]*:", re.MULTILINE)
 _FIELD_END = re.compile(rb"\r?\n(?![ \t])")
 _FOLD = re.compile(rb"\r?\n(?=[ \t])")
+_DEFAULT_BOUNDS = FieldBounds()
 
 
-def from_domain(message: bytes) -> str | None:
+def from_domain(message: bytes, bounds: FieldBounds = _DEFAULT_BOUNDS) -> str | None:
     """The domain of the From: header field's address(es), lower-cased; None when there is no
-    single From field or its mailboxes do not share one domain (then nobody's key applies)."""
+    single From field or its mailboxes do not share one domain (then nobody's key applies).
+
+    Raises SigningError when the From: field is beyond `bounds` (header_bounds.py) or its parser
+    fails on it: such a message is sent unsigned, never held."""
     end = _HEADER_END.search(message)
     header = message[: end.start()] if end else message
     values = []
@@ -394,9 +399,16 @@ def from_domain(message: bytes) -> str | None:
         values.append(_FOLD.sub(b"", raw).decode("utf-8", "surrogateescape"))
     if len(values) != 1:
         return None  # RFC 5322 3.6: exactly one From field
+    problem = split_addresses(values[0], bounds)
+    if isinstance(problem, FieldProblem):
+        raise SigningError(f"the From: field {problem.value}")
+    try:
+        addresses = email.utils.getaddresses(values)
+    except Exception as exc:  # the parser's own failure on odd input: fail closed
+        raise SigningError(f"the From: field cannot be parsed: {type(exc).__name__}") from None
     domains = {
         address.rpartition("@")[2].strip().strip("[]").rstrip(".").lower()
-        for _name, address in email.utils.getaddresses(values)
+        for _name, address in addresses
         if "@" in address
     }
     if len(domains) != 1:

@@ -120,6 +120,8 @@ class ClaimedRecipient:
     queued_at: datetime
     # The reason, when the org's suppression list held the address at the claim: not attempted.
     suppressed: str | None = None
+    # The reply the previous attempt recorded (None before the first, or after a lease ran out).
+    last_reply: Reply | None = None
 
 
 @dataclass(frozen=True)

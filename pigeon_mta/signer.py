@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from pigeon_mta import dkim
 from pigeon_mta.domains import domain_spellings
+from pigeon_mta.header_bounds import FieldBounds
 from pigeon_mta.metrics import DKIM_SIGNATURES, DKIM_UNSIGNED
 from pigeon_mta.model import Delivery
 from pigeon_mta.store import dkim_keys as store_dkim_keys
@@ -36,7 +37,9 @@ log = logging.getLogger(__name__)
 # Unsigned reasons (the `reason` label of pigeon_dkim_unsigned_total).
 UNSIGNED_NO_FROM = "no_from_domain"  # no single From: field with one domain
 UNSIGNED_NO_KEY = "no_key"  # the org has no active key for the From: domain
-UNSIGNED_MALFORMED = "malformed"  # the header section cannot be parsed for signing
+UNSIGNED_MALFORMED = "malformed"  # the header section or its From: cannot be parsed for signing
+
+_DEFAULT_BOUNDS = FieldBounds()
 
 
 class KeysUnavailable(Exception):
@@ -67,10 +70,13 @@ class DkimSigner:
         cache_ttl: float = 5.0,
         stale_ttl: float = 600.0,
         clock: Callable[[], float] = time.time,  # for t=; tests pass a fixed one
+        from_bounds: FieldBounds = _DEFAULT_BOUNDS,
     ) -> None:
         """`db`: a pool. `cache_ttl`: how long a key lookup is reused (how soon a rotation takes
         effect). `stale_ttl`: how long cached keys keep serving while the database is
-        unreachable."""
+        unreachable. `from_bounds`: how much of a From: field is parsed (the limits reception
+        applies); a message beyond them goes unsigned."""
+        self._from_bounds = from_bounds
         self._db = db
         self._cache_ttl = cache_ttl
         self._stale_ttl = stale_ttl
@@ -83,7 +89,11 @@ class DkimSigner:
 
     async def __call__(self, delivery: Delivery) -> bytes:
         message = delivery.body
-        domain = dkim.from_domain(message)
+        try:
+            domain = dkim.from_domain(message, self._from_bounds)
+        except dkim.SigningError as exc:
+            log.info("queue id %s goes unsigned: %s", delivery.message_id, exc)
+            return _unsigned(message, UNSIGNED_MALFORMED)
         if domain is None:
             return _unsigned(message, UNSIGNED_NO_FROM)
         keys = await self.keys_for(delivery.org_id, domain)

@@ -103,6 +103,44 @@ def _classify_error(exc: BaseException, stage: Stage) -> Verdict:
     )
 
 
+# ---------------------------------------------------------------- repeated local failures
+
+# A local failure (an exception inside pigeon-mta, not a reply from a peer) that recurs word for
+# word on this many attempts in a row is taken to be about the message, not the moment (a message
+# the code cannot process): the recipient bounces with 5.3.0 instead of being retried, each time
+# with a traceback in the log, until delivery.max_age. A failure that passes (the database away)
+# reads differently from one try to the next, or is not "unknown-error" at all.
+LOCAL_FAILURE_LIMIT = 3
+
+_REPEATS = re.compile(r" \(the same local failure on (\d+) attempts in a row\)\Z")
+
+
+def give_up_repeated_failure(
+    verdict: Verdict, previous: Reply | None, limit: int = LOCAL_FAILURE_LIMIT
+) -> Verdict:
+    """`verdict` for a local failure, counted against the reply the last attempt recorded.
+
+    The count travels in the reply text ("... (the same local failure on 2 attempts in a row)"),
+    so that it needs no column and an operator reading the log sees it; "the same" is the same
+    exception type and message as that text records."""
+    if verdict.rule != "unknown-error":
+        return verdict
+    reply = verdict.reply.storable()
+    count = 1
+    if previous is not None and previous.code == 0 and previous.enhanced_code == "4.3.0":
+        match = _REPEATS.search(previous.text)
+        earlier = previous.text[: match.start()] if match else previous.text
+        if earlier == reply.text:
+            count = (int(match[1]) if match else 1) + 1
+    if count >= limit:
+        text = f"{reply.text} (the same local failure on {count} attempts in a row; given up)"
+        return Verdict(Outcome.BOUNCED, Reply(0, "5.3.0", text), "local-failure-repeated")
+    if count > 1:
+        text = f"{reply.text} (the same local failure on {count} attempts in a row)"
+        return Verdict(verdict.outcome, Reply(0, reply.enhanced_code, text), verdict.rule)
+    return verdict
+
+
 # ---------------------------------------------------------------- retry timing
 
 

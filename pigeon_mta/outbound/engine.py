@@ -41,7 +41,7 @@ from pigeon_mta.outbound.attempt import (
     transact,
     wire_message,
 )
-from pigeon_mta.outbound.classify import backoff_delay, classify
+from pigeon_mta.outbound.classify import backoff_delay, classify, give_up_repeated_failure
 from pigeon_mta.outbound.limits import Gate, Gates, policy_for
 from pigeon_mta.outbound.mx import Route, RouteFailure, Router
 from pigeon_mta.outbound.pool import ConnectionPool, ConnectOptions, NotConnected
@@ -492,6 +492,8 @@ class DeliveryEngine:
         out: list[AttemptResult] = []
         for item in results:
             verdict = classify(item.result, item.stage)
+            if not isinstance(item.result, KeysUnavailable):  # the database away: it passes
+                verdict = give_up_repeated_failure(verdict, item.recipient.last_reply)
             outcome, rule, next_at = verdict.outcome, verdict.rule, None
             if outcome == Outcome.DEFERRED:
                 delay = backoff_delay(

@@ -24,6 +24,7 @@ from pigeon_mta.model import (
     Delivery,
     Envelope,
     Outcome,
+    Reply,
     Status,
     storable_text,
 )
@@ -193,10 +194,12 @@ WITH c AS (
         ORDER BY next_attempt_at
         LIMIT $3
         FOR UPDATE SKIP LOCKED))
-    RETURNING r.id, r.message_id, r.domain, r.address, r.attempts, r.created_at
+    RETURNING r.id, r.message_id, r.domain, r.address, r.attempts, r.created_at, r.last_code,
+              r.last_enhanced_code, r.last_response
 )
 SELECT m.id AS message_id, m.org_id, m.sender, m.header_message_id, m.received_at, c.domain,
-       c.id, c.address, c.attempts, c.created_at,
+       c.id, c.address, c.attempts, c.created_at, c.last_code, c.last_enhanced_code,
+       c.last_response,
        -- Each body once, on one row of its message, however many recipients and destination
        -- domains it has (a large message to a hundred recipients is read and sent once).
        CASE WHEN row_number() OVER (PARTITION BY m.id) = 1 THEN m.body END AS body,
@@ -241,6 +244,7 @@ async def claim_due_recipients(
                         attempts=r["attempts"],
                         queued_at=r["created_at"],
                         suppressed=r["suppressed"],
+                        last_reply=_last_reply(r),
                     )
                     for r in members
                 ),
@@ -248,6 +252,13 @@ async def claim_due_recipients(
         )
     deliveries.sort(key=lambda d: (d.received_at, d.message_id))
     return deliveries
+
+
+def _last_reply(row: asyncpg.Record) -> Reply | None:
+    """The reply a recipient's previous attempt recorded (a local failure's code 0 is NULL)."""
+    if row["last_response"] is None:
+        return None
+    return Reply(row["last_code"] or 0, row["last_enhanced_code"], row["last_response"])
 
 
 # ---------------------------------------------------------------- record

@@ -1,4 +1,4 @@
-"""Pure address rules: SMTP paths (RFC 5321 4.1.2), domains, From: header domains, client IPs.
+"""Pure address rules: SMTP paths (RFC 5321 4.1.2), domains, From:/Sender: domains, client IPs.
 
 Relaying is decided by who the client is (trusted network or SMTP AUTH), never by what an address
 looks like, so no percent hack, bang path or source route can open the relay. These rules only
@@ -14,6 +14,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from email.errors import InvalidHeaderDefect, NonPrintableDefect
+
+from pigeon_mta.header_bounds import FieldBounds, FieldProblem, split_addresses
 
 # RFC 5321 4.5.3.1.3: a path is at most 256 octets including the angle brackets.
 MAX_PATH_OCTETS = 254
@@ -137,21 +139,31 @@ def _closing_bracket(arg: str) -> int:
 # ---------------------------------------------------------------- From: header
 
 
-def from_header_domains(values: Iterable[str]) -> set[str] | None:
-    """The domains of every address in the From: header fields; None when one is not parseable.
+def header_domains(value: str, bounds: FieldBounds) -> set[str] | FieldProblem:
+    """The domains of every address in one From:, Sender:, Resent-From: or Resent-Sender: field
+    value (an empty set when it names none), or why they cannot be read.
 
-    Obsolete syntax (a period in a display name) is accepted; an invalid address list, a missing
-    domain or a control character is not: the policy cannot vouch for what it cannot read.
+    Within `bounds` (header_bounds.py), each address is parsed on its own by the standard
+    library's strict parser. Obsolete syntax (a period in a display name) is accepted; an invalid
+    address, a missing domain or a control character is not, and neither is anything the parser
+    fails on: the policy cannot vouch for what it cannot read.
     """
+    addresses = split_addresses(value, bounds)
+    if isinstance(addresses, FieldProblem):
+        return addresses
     domains: set[str] = set()
-    for value in values:
-        header = email.policy.default.header_factory("From", value)
-        if any(isinstance(d, InvalidHeaderDefect | NonPrintableDefect) for d in header.defects):
-            return None
-        for address in header.addresses:
+    for text in addresses:
+        try:
+            header = email.policy.default.header_factory("From", text)
+            parsed, defects = header.addresses, header.defects
+        except Exception:  # the parser's own failure on odd input: fail closed
+            return FieldProblem.UNPARSEABLE
+        if any(isinstance(d, InvalidHeaderDefect | NonPrintableDefect) for d in defects):
+            return FieldProblem.UNPARSEABLE
+        for address in parsed:
             domain = normalize_domain(address.domain)
             if domain is None:
-                return None
+                return FieldProblem.UNPARSEABLE
             domains.add(domain)
     return domains
 

@@ -19,6 +19,8 @@ CRLF = b"\r\n"
 # A header field name: printable ASCII except the colon (RFC 5322 2.2).
 _FIELD_NAME = re.compile(rb"[\x21-\x39\x3b-\x7e]+:")
 _LONE_EOL = re.compile(rb"\r\n|\r|\n")
+# The fields that name who wrote or sent a message (RFC 5322 3.6.2, 3.6.6), lower-case.
+ORIGINATOR_FIELDS = frozenset({b"from", b"sender", b"resent-from", b"resent-sender"})
 _HELO_UNSAFE = re.compile(r"[^\x21-\x27\x2a-\x5b\x5d-\x7e]")  # no space, parentheses, backslash
 
 
@@ -120,7 +122,8 @@ class Trace:
 class Fixed:
     data: bytes
     message_id: str | None  # the Message-ID header value (ours when it was added)
-    from_values: list[str]  # the From: header values, for the sender policy
+    # (name, value) of each originator field, in message order: for the sender policy.
+    address_fields: list[tuple[str, str]]
 
 
 def apply_fixups(
@@ -148,7 +151,8 @@ def apply_fixups(
         rest = CRLF + rest  # a body with no blank line before it must not become header
     top = received_header(trace) + authentication_results(trace)
     out = b"".join((top, *fields, *added, rest))
-    return Fixed(out, message_id, [field_value(f) for n, f in named if n == b"from"])
+    originators = [(n.decode("ascii"), field_value(f)) for n, f in named if n in ORIGINATOR_FIELDS]
+    return Fixed(out, message_id, originators)
 
 
 def received_header(trace: Trace) -> bytes:

@@ -17,6 +17,7 @@ from typing import Any
 from aiosmtpd.smtp import MISSING, AuthResult, Envelope, Session, TLSSetupException
 
 from pigeon_mta import model
+from pigeon_mta.header_bounds import FieldBounds, FieldProblem, split_addresses
 from pigeon_mta.ids import new_id
 from pigeon_mta.metrics import AUTH_FAILURES
 from pigeon_mta.store import domains as store_domains
@@ -26,7 +27,7 @@ from pigeon_mta.submission import replies
 from pigeon_mta.submission.addresses import (
     AddressProblem,
     Mailbox,
-    from_header_domains,
+    header_domains,
     parse_mailbox,
 )
 from pigeon_mta.submission.auth import Verdict
@@ -53,6 +54,7 @@ class SubmissionHandler:
 
     def __init__(self, ctx: ListenerContext) -> None:
         self.ctx = ctx
+        self.from_bounds = FieldBounds(ctx.limits.max_from_addresses, ctx.limits.max_from_length)
 
     def __dir__(self) -> list[str]:
         # aiosmtpd looks through dir() of the handler on every new connection (see
@@ -295,10 +297,9 @@ class SubmissionHandler:
                 self.ctx.limits.max_header_size,
             )
             return replies.HEADER_TOO_BIG
-        if conv.login is not None and self.ctx.sender_policy == "strict":
-            refusal = await self._check_from_header(conv, fixed.from_values)
-            if refusal:
-                return refusal
+        refusal = await self._check_originators(conv, fixed.address_fields)
+        if refusal:
+            return refusal
         message = model.Envelope(
             org_id=org_id,
             sender=sender,
@@ -342,19 +343,58 @@ class SubmissionHandler:
         self._announce(message, reception)
         return replies.QUEUED.format(queue_id=queue_id)
 
-    async def _check_from_header(self, conv: Conversation, values: list[str]) -> str | None:
-        domains = from_header_domains(values)
+    async def _check_originators(
+        self, conv: Conversation, fields: list[tuple[str, str]]
+    ) -> str | None:
+        """The originator fields of a message (`fixups.ORIGINATOR_FIELDS`) against the policy.
+
+        Every client's From: is measured (header_bounds.py): one that cannot be parsed within the
+        bounds is refused here rather than queued for the DKIM signer to choke on. With the strict
+        sender policy an AUTH user's message must also name a From: address, and every From:,
+        Sender:, Resent-From: and Resent-Sender: address must be at one of its org's domains.
+        """
+        strict = conv.login is not None and self.ctx.sender_policy == "strict"
+        domains: dict[str, set[str]] = {}
+        for name, value in fields:
+            if name != "from" and not strict:
+                continue
+            read = (
+                header_domains(value, self.from_bounds)
+                if strict
+                else split_addresses(value, self.from_bounds)
+            )
+            if isinstance(read, FieldProblem):
+                log.warning(
+                    "DATA from [%s] refused: its %s: header %s (%d characters)",
+                    conv.client_ip,
+                    name,
+                    read.value,
+                    len(value),
+                )
+                return replies.FIELD_UNREADABLE[name, read]
+            if strict:
+                assert isinstance(read, set)
+                domains.setdefault(name, set()).update(read)
+        if not strict:
+            return None
+        assert conv.login is not None
+        if not domains.get("from"):
+            log.warning("DATA refused: user=%s sent no From: address", conv.login.username)
+            return replies.NO_FROM
         try:
-            owned = domains is not None and all([await self._org_owns(conv, d) for d in domains])
+            for name, named in domains.items():
+                for domain in sorted(named):
+                    if not await self._org_owns(conv, domain):
+                        log.warning(
+                            "DATA refused: user=%s may not use %s: @%s",
+                            conv.login.username,
+                            name,
+                            domain,
+                        )
+                        return replies.FIELD_NOT_OWNED[name]
         except DB_ERRORS as exc:
             log.warning("DATA from [%s]: database trouble: %s", conv.client_ip, exc)
             return replies.DATABASE_TROUBLE
-        if not owned:
-            assert conv.login is not None
-            log.warning(
-                "DATA refused: user=%s may not use From: %s", conv.login.username, values[:3]
-            )
-            return replies.FROM_NOT_OWNED
         return None
 
     async def _org_of(self, conv: Conversation) -> uuid.UUID | None:

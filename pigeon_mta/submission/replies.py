@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from pigeon_mta.header_bounds import FieldProblem
+
 QUEUED = "250 2.0.0 Ok: queued as {queue_id}"
 SENDER_OK = "250 2.1.0 Ok"
 RECIPIENT_OK = "250 2.1.5 Ok"
@@ -23,7 +25,25 @@ ALREADY_AUTHENTICATED = "503 5.5.1 Already authenticated"
 
 RELAY_DENIED = "554 5.7.1 Relay access denied"
 SENDER_NOT_OWNED = "553 5.7.1 Sender address rejected: not owned by the authenticated user"
-FROM_NOT_OWNED = "553 5.7.1 From: header address rejected: not owned by the authenticated user"
+# The originator fields (RFC 5322 3.6.2, 3.6.6) by their lower-case names: the sender policy
+# checks each of them, and every client's From: is measured (header_bounds.py).
+_ORIGINATORS = {
+    "from": "From",
+    "sender": "Sender",
+    "resent-from": "Resent-From",
+    "resent-sender": "Resent-Sender",
+}
+FIELD_NOT_OWNED = {
+    name: f"553 5.7.1 {title}: header address rejected: not owned by the authenticated user"
+    for name, title in _ORIGINATORS.items()
+}
+FROM_NOT_OWNED = FIELD_NOT_OWNED["from"]
+FIELD_UNREADABLE = {
+    (name, problem): f"550 5.6.0 {title}: header {problem.value}"
+    for name, title in _ORIGINATORS.items()
+    for problem in FieldProblem
+}
+NO_FROM = "550 5.7.1 Message has no From: header address (RFC 5322 3.6.2)"
 BAD_SENDER = "553 5.1.7 Bad sender address syntax"
 BAD_RECIPIENT = "553 5.1.3 Bad recipient address syntax"
 LITERAL_RECIPIENT = "553 5.1.3 Address literals are not accepted, use a domain name"
@@ -106,7 +126,8 @@ _REASONS = {
         "auth_failed": (AUTH_INVALID, AUTH_BAD_AUTHZID),
         "auth_throttled": (AUTH_THROTTLED,),
         "relay_denied": (RELAY_DENIED,),
-        "sender_policy": (SENDER_NOT_OWNED, FROM_NOT_OWNED),
+        "sender_policy": (SENDER_NOT_OWNED, NO_FROM, *FIELD_NOT_OWNED.values()),
+        "bad_header": tuple(FIELD_UNREADABLE.values()),
         "bad_address": (BAD_SENDER, BAD_RECIPIENT, LITERAL_RECIPIENT, NEEDS_SMTPUTF8),
         "too_many_recipients": (TOO_MANY_RECIPIENTS,),
         "size": (MESSAGE_TOO_BIG, HEADER_TOO_BIG),

@@ -110,6 +110,10 @@ async def test_another_orgs_domain_is_not_signed(pool: asyncpg.Pool, signer: Dki
             (
                 b"From: a@example.com\r\nno colon on this line\r\n\r\nbody\r\n",
                 b" a continuation first\r\nFrom: a@example.com\r\n\r\nbody\r\n",
+                # A From: the parser would recurse on 20,000 times, and one of more addresses
+                # than limits.max_from_addresses (a trusted client's message is queued unread).
+                b"From: " + b"(" * 20_000 + b")" * 20_000 + b" a@example.com\r\n\r\nbody\r\n",
+                b"From: " + b", ".join(b"u%d@example.com" % i for i in range(101)) + b"\r\n\r\nx",
             ),
         ),
     ],

@@ -63,7 +63,7 @@ async def test_sender_domain_policy(
         null_sender = await asyncio.to_thread(attempt, "<>", "app@acme.example")
     assert own == 250 and null_sender == 250
     if policy == "strict":
-        assert (foreign_envelope, foreign_header, unreadable_header) == (553, 553, 553)
+        assert (foreign_envelope, foreign_header, unreadable_header) == (553, 553, 550)
     elif policy == "envelope":
         assert (foreign_envelope, foreign_header, unreadable_header) == (553, 250, 250)
     else:

@@ -14,6 +14,7 @@ from pigeon_mta.outbound.classify import (
     backoff_delay,
     backoff_window,
     classify,
+    give_up_repeated_failure,
     parse_reply,
 )
 
@@ -128,3 +129,51 @@ def test_backoff_grows_exponentially_between_initial_and_max(
 
 def test_backoff_with_equal_initial_and_max_is_fixed() -> None:
     assert backoff_window(7, 60, 60) == (60, 60)
+
+
+_BUG = ValueError("cannot process this message")
+_SAME = "ValueError: cannot process this message"
+
+
+@pytest.mark.parametrize(
+    ("previous", "outcome", "enhanced", "text"),
+    [
+        (None, X, "4.3.0", _SAME),
+        (
+            Reply(0, "4.3.0", _SAME),
+            X,
+            "4.3.0",
+            f"{_SAME} (the same local failure on 2 attempts in a row)",
+        ),
+        (
+            Reply(0, "4.3.0", f"{_SAME} (the same local failure on 2 attempts in a row)"),
+            B,
+            "5.3.0",
+            f"{_SAME} (the same local failure on 3 attempts in a row; given up)",
+        ),
+        # Another error, or the same text from a peer or of another class: the count starts again.
+        (Reply(0, "4.3.0", "ValueError: something else"), X, "4.3.0", _SAME),
+        (Reply(451, "4.3.0", _SAME), X, "4.3.0", _SAME),
+        (Reply(0, "4.4.1", _SAME), X, "4.3.0", _SAME),
+    ],
+)
+def test_a_local_failure_repeated_word_for_word_bounces_at_the_limit(
+    previous: Reply | None, outcome: Outcome, enhanced: str, text: str
+) -> None:
+    verdict = give_up_repeated_failure(classify(_BUG, "connect"), previous)
+    assert (verdict.outcome, verdict.reply.enhanced_code, verdict.reply.text) == (
+        outcome,
+        enhanced,
+        text,
+    )
+    assert verdict.reply.code == 0
+
+
+def test_only_local_failures_are_counted() -> None:
+    """A peer's reply or a connection error that recurs is the peer's, and may pass."""
+    for result, stage in (
+        (Reply(451, "4.3.0", "busy"), "dot"),
+        (ConnectionRefusedError(), "connect"),
+    ):
+        verdict = classify(result, stage)  # type: ignore[arg-type]
+        assert give_up_repeated_failure(verdict, verdict.reply) == verdict

@@ -6,11 +6,12 @@ import ipaddress
 
 import pytest
 
+from pigeon_mta.header_bounds import FieldBounds, FieldProblem
 from pigeon_mta.submission.addresses import (
     AddressProblem,
     Mailbox,
     client_address,
-    from_header_domains,
+    header_domains,
     in_networks,
     normalize_domain,
     parse_mailbox,
@@ -81,23 +82,29 @@ def test_normalize_domain(text: str, expected: str | None) -> None:
 
 
 @pytest.mark.parametrize(
-    ("values", "expected"),
+    ("value", "expected"),
     [
-        (["App <app@Acme.Example>"], {"acme.example"}),
-        (["a@x.example, B <b@y.example>"], {"x.example", "y.example"}),
-        (["John Q. Public <john@x.example>"], {"x.example"}),
-        (['"ceo@acme.example" <evil@other.example>'], {"other.example"}),
-        (["a@x.example", "b@y.example"], {"x.example", "y.example"}),
-        ([], set()),
-        (["a@good.example@evil.example"], None),
-        (["alice@example.org)<bob@evil.example>"], None),
-        (["nobody"], None),
-        (["a@[192.0.2.1]"], None),
-        (["x <a@b.example> \x00"], None),
+        ("App <app@Acme.Example>", {"acme.example"}),
+        ("a@x.example, B <b@y.example>", {"x.example", "y.example"}),
+        ('"Doe, J" <j@x.example>, (a, comment) k@y.example', {"x.example", "y.example"}),
+        ("John Q. Public <john@x.example>", {"x.example"}),
+        ('"ceo@acme.example" <evil@other.example>', {"other.example"}),
+        ("", set()),
+        ("a@good.example@evil.example", FieldProblem.UNPARSEABLE),
+        ("alice@example.org)<bob@evil.example>", FieldProblem.UNPARSEABLE),
+        ("nobody", FieldProblem.UNPARSEABLE),
+        ("a@[192.0.2.1]", FieldProblem.UNPARSEABLE),
+        ("x <a@b.example> \x00", FieldProblem.UNPARSEABLE),
+        ("(" * 9 + ")" * 9 + " a@x.example", FieldProblem.UNPARSEABLE),
+        ("(" * 8 + ")" * 8 + " a@x.example", {"x.example"}),
+        (", ".join(["a@x.example"] * 101), FieldProblem.TOO_MANY_ADDRESSES),
+        (", ".join(["a@x.example"] * 100), {"x.example"}),
+        ("x " * 300 + "<a@x.example>", FieldProblem.TOO_LONG),  # one address over 512
+        (", ".join(["Display Name <someone@x.example>"] * 90), FieldProblem.TOO_LONG),  # > 2048
     ],
 )
-def test_from_header_domains(values: list[str], expected: set[str] | None) -> None:
-    assert from_header_domains(values) == expected
+def test_header_domains(value: str, expected: set[str] | FieldProblem) -> None:
+    assert header_domains(value, FieldBounds(max_length=2048)) == expected
 
 
 def test_client_addresses_and_networks() -> None:

@@ -95,7 +95,7 @@ def test_existing_headers_are_kept() -> None:
     fixed = apply_fixups(raw, trace(), new_message_id="unused@mta.test")
     assert fixed.message_id == "abc@app"
     assert fixed.data.endswith(raw)
-    assert fixed.from_values == ["a@b"]
+    assert fixed.address_fields == [("from", "a@b")]
 
 
 def test_body_without_blank_line_is_not_taken_for_header() -> None:
