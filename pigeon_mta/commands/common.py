@@ -14,6 +14,7 @@ from typing import Any
 import asyncpg
 
 from pigeon_mta.config import Settings, load_settings
+from pigeon_mta.logs import printable
 from pigeon_mta.store import connect as store_connect
 from pigeon_mta.store import migrate as store_migrate
 
@@ -65,7 +66,9 @@ def text_cell(value: Any) -> str:
         return value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
     if isinstance(value, bool):
         return "yes" if value else "no"
-    return str(value)
+    # Cells show what clients and remote servers sent (HELO names, addresses, replies): their
+    # control characters are shown as escapes, never sent to the terminal.
+    return printable(str(value), newlines=True)
 
 
 def print_rows(
