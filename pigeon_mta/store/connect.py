@@ -12,6 +12,7 @@ from typing import Any
 import asyncpg
 
 from pigeon_mta.config import Settings
+from pigeon_mta.redaction import redact
 from pigeon_mta.store.group_commit import MAX_COMMITS
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def locate_database(settings: Settings) -> DatabaseLocation:
     """The configured database, or (when none is configured) the embedded one, started if needed."""
     if settings.database.url:
         return DatabaseLocation(
-            settings.database.url, f"PostgreSQL at {_redact(settings.database.url)}"
+            settings.database.url, f"PostgreSQL at {redact(settings.database.url)}"
         )
     pgdata = Path(settings.server.data_dir).expanduser() / "postgres"
     return DatabaseLocation(_start_embedded(pgdata), f"embedded PostgreSQL in {pgdata}", pgdata)
@@ -72,16 +73,6 @@ def _start_embedded(pgdata: Path) -> str:
             f"could not start the embedded PostgreSQL in {pgdata}: {exc} (see {pgdata}/log)"
         ) from None
     return str(server.get_uri())
-
-
-def _redact(url: str) -> str:
-    """A URL fit for logs: the password replaced."""
-    if "@" not in url or "://" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    creds, host = rest.rsplit("@", 1)
-    user = creds.split(":", 1)[0]
-    return f"{scheme}://{user}@{host}"
 
 
 def server_settings(settings: Settings, *, generic_plans: bool = False) -> dict[str, str]:
