@@ -28,7 +28,11 @@ from pigeon_mta.config import ListenerSettings, Settings
 log = logging.getLogger(__name__)
 
 SELF_SIGNED_NAME = "selfsigned.pem"  # key and certificate in one file: replaced atomically
-_SELF_SIGNED_DAYS = 825
+# From notBefore to notAfter: 397 days, the most that browsers and many TLS clients accept for a
+# server certificate (CA/Browser Forum Baseline Requirements 6.3.2, 398 days); one that is expired
+# or within _RENEW_BEFORE of expiring is made again when a worker starts.
+_SELF_SIGNED_VALIDITY = dt.timedelta(days=397)
+_BACKDATE = dt.timedelta(days=1)  # for clocks running a little behind
 _RENEW_BEFORE = dt.timedelta(days=30)
 
 
@@ -144,8 +148,8 @@ def _make_self_signed(hostname: str) -> bytes:
         .issuer_name(name)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(days=1))
-        .not_valid_after(now + dt.timedelta(days=_SELF_SIGNED_DAYS))
+        .not_valid_before(now - _BACKDATE)
+        .not_valid_after(now - _BACKDATE + _SELF_SIGNED_VALIDITY)
         .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
