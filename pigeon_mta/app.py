@@ -358,7 +358,11 @@ def _install_child_logging(settings: Settings) -> None:
 
 
 async def serve(settings: Settings, *, processes: int | None = None) -> int:
+    from pigeon_mta.config_review import config_warnings, routing_summary
+
     setup_logging(configured_level(settings.log.level), settings.log.format)
+    for warning in config_warnings(settings):
+        log.warning("%s", warning)
     location = await asyncio.to_thread(store_connect.locate_database, settings)
     log.info("database: %s", location.description)
     await prepare_database(settings, location.url)
@@ -369,6 +373,7 @@ async def serve(settings: Settings, *, processes: int | None = None) -> int:
         count,
         settings.source,
     )
+    log.info("delivery: %s", routing_summary(settings))
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -83,17 +83,15 @@ class ListenerTLS:
 
 
 def listener_tls(settings: Settings, listener: ListenerSettings) -> ListenerTLS:
-    """The listener's configured certificate, else the node's self-signed one (with a warning)."""
+    """The listener's configured certificate, else the node's self-signed one. (`serve` warns
+    about the listeners without a certificate once, at start: config_review.)"""
     if listener.tls_cert:
         return ListenerTLS(listener.name, listener.tls_cert, listener.tls_key or None)
-    path = ensure_self_signed(settings)
-    log.warning(
-        "listener %s has no tls_cert/tls_key: using the self-signed certificate %s "
-        "(clients that verify certificates will refuse it; configure a real one)",
-        listener.name,
-        path,
-    )
-    return ListenerTLS(listener.name, str(path), None)
+    return ListenerTLS(listener.name, str(ensure_self_signed(settings)), None)
+
+
+def self_signed_path(settings: Settings) -> Path:
+    return Path(settings.server.data_dir).expanduser() / "tls" / SELF_SIGNED_NAME
 
 
 def ensure_self_signed(settings: Settings) -> Path:
@@ -102,9 +100,9 @@ def ensure_self_signed(settings: Settings) -> Path:
     Safe when several processes start at once: they take turns under a file lock, and the file
     is replaced atomically, so nobody reads a half-written one.
     """
-    directory = Path(settings.server.data_dir).expanduser() / "tls"
+    path = self_signed_path(settings)
+    directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / SELF_SIGNED_NAME
     hostname = settings.server.hostname
     with open(directory / ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
