@@ -386,6 +386,7 @@ async def serve(settings: Settings, *, processes: int | None = None) -> int:
         resources.push_async_callback(pool.close)
         exposition = _metrics_exposition(count)  # before any worker process starts
         resources.callback(exposition.close)
+        metrics.start_at_zero(lsn.name for lsn in settings.listener)
         delivery_log = _open_delivery_log(settings)
         resources.callback(delivery_log.close)
         readiness = Readiness(
