@@ -25,7 +25,7 @@ from typing import Protocol
 import asyncpg
 
 from pigeon_mta import metrics, node
-from pigeon_mta.config import ConfigError, Settings, config_warnings
+from pigeon_mta.config import ConfigError, Settings
 from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.logs import configured_level, setup_logging
 from pigeon_mta.observability.exposition import MetricsExposition, MultiprocessSetupError
@@ -398,6 +398,8 @@ async def serve(settings: Settings, *, processes: int | None = None) -> int:
 async def _serve(
     settings: Settings, processes: int | None, run: node.NodeRun, lock: node.DataDirLock
 ) -> int:
+    from pigeon_mta.config_review import config_warnings, routing_summary
+
     location = await asyncio.to_thread(store_connect.locate_database, settings)
     log.info("database: %s", location.description)
     for warning in config_warnings(settings):
@@ -411,6 +413,7 @@ async def _serve(
         run.lease_owner,
         settings.source,
     )
+    log.info("delivery: %s", routing_summary(settings))
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -426,6 +429,7 @@ async def _serve(
         resources.push_async_callback(heartbeat.close)
         exposition = _metrics_exposition(count)  # before any worker process starts
         resources.callback(exposition.close)
+        metrics.start_at_zero(lsn.name for lsn in settings.listener)
         delivery_log = _open_delivery_log(settings)
         resources.callback(delivery_log.close)
         readiness = Readiness(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import re
 import socket
@@ -42,18 +43,30 @@ class Duration(float):
         r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$"
     )
 
+    # The longest duration accepted: longer ones are typing mistakes, and timers, timedelta and
+    # PostgreSQL intervals overflow somewhere beyond. nan and inf are refused outright: a nan
+    # timeout or lease compares false with everything, and stopped connections or delivery.
+    MAX: typing.ClassVar[float] = 100 * 365 * 86400.0
+
     @classmethod
     def parse(cls, value: object) -> Duration:
         if isinstance(value, bool):
             raise ValueError("expected a duration like 30s, 5m, 1h or 5d")
         if isinstance(value, int | float):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{value!r} is not a duration like 30s, 5m, 1h or 5d")
             if value < 0:
                 raise ValueError("a duration cannot be negative")
+            if value > cls.MAX:  # compared before float(): a huge int does not fit in one
+                raise ValueError("a duration cannot be longer than 100 years")
             return cls(value)
         if isinstance(value, str):
             match = cls._PATTERN.match(value)
             if match:
-                return cls(float(match.group(1)) * cls._UNITS[match.group(2) or "s"])
+                seconds = float(match.group(1)) * cls._UNITS[match.group(2) or "s"]
+                if seconds > cls.MAX:
+                    raise ValueError("a duration cannot be longer than 100 years")
+                return cls(seconds)
         raise ValueError(f"{value!r} is not a duration like 30s, 5m, 1h or 5d")
 
 
@@ -84,6 +97,8 @@ class HostPort:
             raise ValueError(f"{value!r}: write an IPv6 address with a port as [addr]:port")
         if not host:
             raise ValueError(f"{value!r} has no host")
+        if not host.isprintable() or any(c.isspace() for c in host):
+            raise ValueError(f"{value!r} has spaces or control characters in its host")
         if not port_text:
             if default_port is None:
                 raise ValueError(f"{value!r} has no port (write host:port)")
@@ -126,8 +141,7 @@ def _default_hostname() -> str:
 class ServerSettings:
     hostname: str = field(default_factory=_default_hostname)
     data_dir: str = field(default_factory=_default_data_dir)
-    # This node's name, distinct per node and stable across restarts (default, or empty: the
-    # hostname). Each run of `serve` writes "<node_name>/<run id>" into the leases it takes; a
+    # This node's name, distinct per node and stable across restarts (default: the hostname). Each run of `serve` writes "<node_name>/<run id>" into the leases it takes; a
     # second live node with the same name is refused (pigeon_mta/node.py).
     node_name: str = field(default_factory=socket.gethostname)
     # Accepting/delivering processes that `serve` runs; 0 means one per CPU core.
@@ -396,8 +410,15 @@ def load_settings(
             raise ConfigError(f"config file {chosen} does not exist") from None
         except PermissionError:
             raise ConfigError(f"config file {chosen} is not readable") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {chosen} is a directory, not a file") from None
+        except UnicodeDecodeError:
+            # TOML is UTF-8 (TOML 1.0 "Spec"); tomllib lets the decoding error through.
+            raise ConfigError(f"config file {chosen} is not UTF-8 text") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {chosen} is not valid TOML: {exc}") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {chosen} cannot be read: {exc.strerror}") from None
         source = chosen
     settings = _build(Settings, data, "")
     url = env.get(ENV_DATABASE_URL, "")
@@ -406,9 +427,6 @@ def load_settings(
             settings, database=dataclasses.replace(settings.database, url=url)
         )
     settings = dataclasses.replace(settings, source=source)
-    if not settings.server.node_name:
-        server = dataclasses.replace(settings.server, node_name=socket.gethostname())
-        settings = dataclasses.replace(settings, server=server)
     _check(settings)
     assert isinstance(settings, Settings)
     return settings
@@ -497,10 +515,14 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                 raise ValueError("expected a whole number")
             if value < 0:
                 raise ValueError("expected a number that is not negative")
+            if value >= 2**63:  # PostgreSQL's bigint, and far beyond any sensible setting
+                raise ValueError("expected a number below 2**63")
             return value
         if tp is float:
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ValueError("expected a number")
+            if (isinstance(value, int) and abs(value) > 2**53) or not math.isfinite(value):
+                raise ValueError("expected a finite number")
             return float(value)
         if tp is str:
             if not isinstance(value, str):
@@ -515,9 +537,11 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
 
 def _check(settings: Settings) -> None:
     """Rules that span fields."""
+    _check_names(settings.server)
     if "/" in settings.server.node_name:
         # A lease owner is "<node_name>/<run id>": the name must not look like a prefix of another.
         raise ConfigError(f"'server.node_name' must not contain '/': {settings.server.node_name!r}")
+    _check_intervals(settings)
     names = [listener.name for listener in settings.listener]
     for name in names:
         if names.count(name) > 1:
@@ -559,6 +583,47 @@ def _check(settings: Settings) -> None:
         )
 
 
+# A host name as EHLO, Message-IDs and bounce senders use it: letters, digits, dots, hyphens
+# (RFC 5321 4.1.2 Domain; underscores too, which container hosts are often named with).
+_HOSTNAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,251}[A-Za-z0-9_])?")
+
+
+def _check_names(server: ServerSettings) -> None:
+    if not _HOSTNAME.fullmatch(server.hostname):
+        raise ConfigError(
+            f"bad value for 'server.hostname': {server.hostname!r} is not a host name "
+            "(letters, digits, dots and hyphens, like mta.example.com)"
+        )
+    if not server.node_name.strip() or not server.node_name.isprintable():
+        raise ConfigError(
+            f"bad value for 'server.node_name': {server.node_name!r} must be a non-empty name "
+            "without control characters"
+        )
+
+
+# Durations for which zero makes no sense: a loop that waits this long between rounds would spin
+# (stats_interval = 0 kept a core busy), and a zero timeout fails every operation at once.
+_MORE_THAN_ZERO = (
+    "database.connect_timeout",
+    "database.statement_timeout",
+    "delivery.max_age",
+    "delivery.poll_interval",
+    "delivery.sweep_interval",
+    "dns.timeout",
+    "metrics.stats_interval",
+)
+
+
+def _check_intervals(settings: Settings) -> None:
+    for key in _MORE_THAN_ZERO:
+        section, name = key.split(".")
+        if getattr(getattr(settings, section), name) <= 0:
+            raise ConfigError(f"'{key}' must be more than zero")
+    # PostgreSQL takes statement_timeout in milliseconds as a 32-bit integer.
+    if settings.database.statement_timeout * 1000 > 2**31 - 1:
+        raise ConfigError("'database.statement_timeout' must be at most 24d")
+
+
 def _check_outbound(delivery: DeliverySettings) -> None:
     for key in (
         "concurrency",
@@ -593,24 +658,6 @@ def _check_outbound(delivery: DeliverySettings) -> None:
     for pattern, dest in delivery.destination.items():
         if dest.rate < 0:
             raise ConfigError(f"'delivery.destination.{pattern}.rate' must not be negative")
-
-
-def config_warnings(settings: Settings) -> list[str]:
-    """Valid settings that put something at risk, one sentence each: logged by `serve` at start
-    and printed by `check-config`."""
-    warnings: list[str] = []
-    delivery = settings.delivery
-    if (
-        delivery.relayhost_username
-        and delivery.relayhost_tls != "verify"
-        and delivery.relayhost_auth_insecure
-    ):
-        warnings.append(
-            f"the relayhost password goes to any certificate ('delivery.relayhost_tls' is "
-            f"{delivery.relayhost_tls}, 'delivery.relayhost_auth_insecure' is true): whoever "
-            "sits between this node and the relayhost can collect it; use verify"
-        )
-    return warnings
 
 
 def _check_submission(settings: Settings) -> None:

@@ -3,6 +3,11 @@
 Text: `2025-01-02T03:04:05.678Z INFO pigeon_mta.serve[1234]: message`. JSON: one object per line
 with `time`, `level`, `logger`, `pid`, `message` (and `error` for a traceback). A traceback or any
 multi-line text stays on its event's line, so a log shipper never splits one event in two.
+
+Log lines carry text that clients choose (AUTH user names, HELO names, addresses, Message-IDs).
+In the text format every control character in them is written as a visible escape (`\r`,
+`\x1b`), so that a client cannot start a forged line with a carriage return or send escape
+sequences to the terminal of whoever reads the log. The JSON format is escaped by `json`.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import functools
 import json
 import logging
 import os
+import re
 import sys
 import time
 
@@ -36,6 +42,26 @@ def _utc_second(second: int) -> str:
     return time.strftime(_TIME_FORMAT, time.gmtime(second))
 
 
+# C0 controls, DEL, C1 controls (0x9b is a terminal's CSI) and the Unicode line and paragraph
+# separators; the newline is in the second pattern only.
+_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+_CONTROL_OR_NEWLINE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED = {"\r": "\\r", "\t": "\\t", "\n": "\\n"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    return _NAMED.get(char) or (
+        f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}"
+    )
+
+
+def printable(text: str, *, newlines: bool = False) -> str:
+    """`text` with every control character written as a visible escape: `\\r`, `\\x1b`. Newlines
+    are kept unless `newlines` is true (then they become `\\n` too)."""
+    return (_CONTROL_OR_NEWLINE if newlines else _CONTROL).sub(_escape, text)
+
+
 class _TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         text = (
@@ -45,7 +71,7 @@ class _TextFormatter(logging.Formatter):
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
         # One event, one line: a traceback or multi-line text is folded.
-        return text.replace("\n", " | ")
+        return printable(text).replace("\n", " | ")
 
 
 class _JsonFormatter(logging.Formatter):

@@ -5,6 +5,8 @@ Labels never carry a domain or an address: their cardinality would follow the tr
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import Counter, Gauge, Histogram
 
 # ---------------------------------------------------------------- submission
@@ -104,3 +106,27 @@ WORKER_STARTS = Counter(
 DELIVERY_LOG_ERRORS = Counter(
     "pigeon_delivery_log_errors", "Delivery log records that could not be written"
 )
+
+
+# ---------------------------------------------------------------- series that exist from the start
+# Label values known before any traffic. Their series are created at 0 when `serve` starts, so that
+# a dashboard shows 0 rather than "no data", and rate() and increase() count the first event (a
+# series that appears with its first increment starts at 1, and that 1 is never seen as a rise).
+DELIVERY_OUTCOMES = ("delivered", "deferred", "bounced", "expired", "suppressed")
+DKIM_ALGORITHMS = ("rsa", "ed25519")
+DKIM_UNSIGNED_REASONS = ("no_key", "no_from_domain", "malformed")
+
+
+def start_at_zero(listeners: Iterable[str]) -> None:
+    """Create the labelled series whose label values are known at start (the configured listener
+    names and the fixed vocabularies above), each at 0."""
+    for name in listeners:
+        MESSAGES_ACCEPTED.labels(listener=name)
+        AUTH_FAILURES.labels(listener=name)
+        LISTENERS_BOUND.labels(listener=name)
+    for outcome in DELIVERY_OUTCOMES:
+        DELIVERIES.labels(outcome=outcome)
+    for algorithm in DKIM_ALGORITHMS:
+        DKIM_SIGNATURES.labels(algorithm=algorithm)
+    for reason in DKIM_UNSIGNED_REASONS:
+        DKIM_UNSIGNED.labels(reason=reason)

@@ -14,6 +14,8 @@ from typing import Any
 import asyncpg
 
 from pigeon_mta.config import Settings, load_settings
+from pigeon_mta.logs import printable
+from pigeon_mta.redaction import redact
 from pigeon_mta.store import connect as store_connect
 from pigeon_mta.store import migrate as store_migrate
 
@@ -35,8 +37,16 @@ async def open_database(
     location = store_connect.locate_database(settings)
     try:
         conn = await store_connect.connect(location.url, settings)
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
-        raise CliError(f"cannot reach the database ({location.description}): {exc}") from None
+    except (
+        OSError,
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,
+        TimeoutError,
+        ValueError,  # asyncpg's, for a URL it cannot parse (a port that is not a number)
+    ) as exc:
+        raise CliError(
+            f"cannot reach the database ({location.description}): {redact(str(exc))}"
+        ) from None
     try:
         await store_migrate.migrate(conn)
         yield settings, conn
@@ -65,7 +75,9 @@ def text_cell(value: Any) -> str:
         return value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
     if isinstance(value, bool):
         return "yes" if value else "no"
-    return str(value)
+    # Cells show what clients and remote servers sent (HELO names, addresses, replies): their
+    # control characters are shown as escapes, never sent to the terminal.
+    return printable(str(value), newlines=True)
 
 
 def print_rows(

@@ -8,6 +8,7 @@ from typing import Any
 
 from pigeon_mta.commands.common import CliError, add_common, format_age, open_database, print_rows
 from pigeon_mta.deliverylog import story_records, to_json_line
+from pigeon_mta.logs import printable
 from pigeon_mta.model import EVENT_TYPE, Outcome
 from pigeon_mta.store import events as store_events
 from pigeon_mta.store.events import AttemptRecord, MessageStory, RecipientRecord
@@ -75,14 +76,14 @@ def print_story(story: MessageStory, now: datetime) -> None:
     }
     width = max(len(k) for k in details)
     for key, value in details.items():
-        print(f"  {key.ljust(width)}  {value}")
+        print(f"  {key.ljust(width)}  {printable(value, newlines=True)}")
     print()
     print_rows(argparse.Namespace(json=False), _timeline(story), _COLUMNS)
     print()
     print("Now")
     width = max((len(r.address) for r in story.recipients), default=0)
     for r in story.recipients:
-        print(f"  {r.address.ljust(width)}  {state_text(r, now)}")
+        print(f"  {r.address.ljust(width)}  {printable(state_text(r, now), newlines=True)}")
 
 
 def _reception(story: MessageStory) -> str:

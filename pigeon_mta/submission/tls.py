@@ -28,7 +28,11 @@ from pigeon_mta.config import ListenerSettings, Settings
 log = logging.getLogger(__name__)
 
 SELF_SIGNED_NAME = "selfsigned.pem"  # key and certificate in one file: replaced atomically
-_SELF_SIGNED_DAYS = 825
+# From notBefore to notAfter: 397 days, the most that browsers and many TLS clients accept for a
+# server certificate (CA/Browser Forum Baseline Requirements 6.3.2, 398 days); one that is expired
+# or within _RENEW_BEFORE of expiring is made again when a worker starts.
+_SELF_SIGNED_VALIDITY = dt.timedelta(days=397)
+_BACKDATE = dt.timedelta(days=1)  # for clocks running a little behind
 _RENEW_BEFORE = dt.timedelta(days=30)
 
 
@@ -79,17 +83,15 @@ class ListenerTLS:
 
 
 def listener_tls(settings: Settings, listener: ListenerSettings) -> ListenerTLS:
-    """The listener's configured certificate, else the node's self-signed one (with a warning)."""
+    """The listener's configured certificate, else the node's self-signed one. (`serve` warns
+    about the listeners without a certificate once, at start: config_review.)"""
     if listener.tls_cert:
         return ListenerTLS(listener.name, listener.tls_cert, listener.tls_key or None)
-    path = ensure_self_signed(settings)
-    log.warning(
-        "listener %s has no tls_cert/tls_key: using the self-signed certificate %s "
-        "(clients that verify certificates will refuse it; configure a real one)",
-        listener.name,
-        path,
-    )
-    return ListenerTLS(listener.name, str(path), None)
+    return ListenerTLS(listener.name, str(ensure_self_signed(settings)), None)
+
+
+def self_signed_path(settings: Settings) -> Path:
+    return Path(settings.server.data_dir).expanduser() / "tls" / SELF_SIGNED_NAME
 
 
 def ensure_self_signed(settings: Settings) -> Path:
@@ -98,9 +100,9 @@ def ensure_self_signed(settings: Settings) -> Path:
     Safe when several processes start at once: they take turns under a file lock, and the file
     is replaced atomically, so nobody reads a half-written one.
     """
-    directory = Path(settings.server.data_dir).expanduser() / "tls"
+    path = self_signed_path(settings)
+    directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / SELF_SIGNED_NAME
     hostname = settings.server.hostname
     with open(directory / ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -144,8 +146,8 @@ def _make_self_signed(hostname: str) -> bytes:
         .issuer_name(name)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(days=1))
-        .not_valid_after(now + dt.timedelta(days=_SELF_SIGNED_DAYS))
+        .not_valid_before(now - _BACKDATE)
+        .not_valid_after(now - _BACKDATE + _SELF_SIGNED_VALIDITY)
         .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .sign(key, hashes.SHA256())

@@ -180,7 +180,5 @@ def test_submission_defaults() -> None:
 def test_node_name_defaults_to_the_hostname_and_must_not_contain_a_slash(tmp_path: Path) -> None:
     """Lease owners are "<node_name>/<run id>": "a" must not be a prefix of another node's."""
     assert load_settings(None, env={}).server.node_name == socket.gethostname()
-    empty = load_settings(write(tmp_path, '[server]\nnode_name = ""\n'), env={})
-    assert empty.server.node_name == socket.gethostname()
     with pytest.raises(ConfigError, match=r"'server.node_name' must not contain '/'"):
         load_settings(write(tmp_path, '[server]\nnode_name = "a/b"\n'), env={})
