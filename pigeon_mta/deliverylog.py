@@ -29,7 +29,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
-from pigeon_mta import metrics
 from pigeon_mta.config import Settings
 from pigeon_mta.model import EVENT_TYPE, AttemptResult, Delivery, Envelope, Outcome
 from pigeon_mta.store.events import AttemptRecord, MessageStory
@@ -445,6 +444,10 @@ class DeliveryLog:
             for chunk in _chunks(lines):
                 self._sink.write(chunk)
         except OSError as exc:
+            # Imported here: `pigeon-mta log` uses this module's records but not prometheus_client,
+            # which would be a third of its start-up.
+            from pigeon_mta import metrics
+
             metrics.DELIVERY_LOG_ERRORS.inc(len(records))
             if not self._failing:
                 log.error("cannot write the delivery log (%s): %s", self.description, exc)
