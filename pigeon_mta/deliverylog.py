@@ -235,12 +235,18 @@ def _stored_attempt_record(story: MessageStory, a: AttemptRecord, address: str) 
         tls_version=a.tls_version,
         tls_cipher=a.tls_cipher,
         attempt=a.attempt,
-        extra=_attempt_extra(
-            a.port,
-            a.duration,
-            a.next_attempt_at if a.outcome == Outcome.DEFERRED else None,
-            a.category,
-        ),
+        extra={
+            **_attempt_extra(
+                a.port,
+                a.duration,
+                a.next_attempt_at if a.outcome == Outcome.DEFERRED else None,
+                a.category,
+            ),
+            # What the failure caused, known once its transaction committed: only in records
+            # rebuilt from the database (`pigeon-mta log`).
+            "dsn_queue_id": str(story.dsns[a.id]) if a.id in story.dsns else None,
+            "suppressed": story.suppressed.get(a.id),
+        },
     )
 
 
