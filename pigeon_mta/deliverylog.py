@@ -29,7 +29,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
-from pigeon_mta import metrics
 from pigeon_mta.config import Settings
 from pigeon_mta.model import EVENT_TYPE, AttemptResult, Delivery, Envelope, Outcome
 from pigeon_mta.store.events import AttemptRecord, MessageStory
@@ -240,12 +239,18 @@ def _stored_attempt_record(story: MessageStory, a: AttemptRecord, address: str) 
         tls_version=a.tls_version,
         tls_cipher=a.tls_cipher,
         attempt=a.attempt,
-        extra=_attempt_extra(
-            a.port,
-            a.duration,
-            a.next_attempt_at if a.outcome == Outcome.DEFERRED else None,
-            a.category,
-        ),
+        extra={
+            **_attempt_extra(
+                a.port,
+                a.duration,
+                a.next_attempt_at if a.outcome == Outcome.DEFERRED else None,
+                a.category,
+            ),
+            # What the failure caused, known once its transaction committed: only in records
+            # rebuilt from the database (`pigeon-mta log`).
+            "dsn_queue_id": str(story.dsns[a.id]) if a.id in story.dsns else None,
+            "suppressed": story.suppressed.get(a.id),
+        },
     )
 
 
@@ -447,6 +452,10 @@ class DeliveryLog:
             for chunk in _chunks(lines):
                 self._sink.write(chunk)
         except OSError as exc:
+            # Imported here: `pigeon-mta log` uses this module's records but not prometheus_client,
+            # which would be a third of its start-up.
+            from pigeon_mta import metrics
+
             metrics.DELIVERY_LOG_ERRORS.inc(len(records))
             if not self._failing:
                 log.error("cannot write the delivery log (%s): %s", self.description, exc)

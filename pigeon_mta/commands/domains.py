@@ -1,11 +1,18 @@
-"""`domain add ORG DOMAIN`, `domain list`: the sender domains an org may use."""
+"""`domain add ORG DOMAIN`, `domain list`, `domain remove DOMAIN`: the sender domains an org may use."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from pigeon_mta.commands.common import CliError, add_common, open_database, print_object, print_rows
+from pigeon_mta.commands.common import (
+    CliError,
+    add_common,
+    eprint,
+    open_database,
+    print_object,
+    print_rows,
+)
 from pigeon_mta.store import domains as store_domains
 from pigeon_mta.store import orgs as store_orgs
 from pigeon_mta.submission.addresses import normalize_domain
@@ -23,6 +30,12 @@ def register(sub: Any) -> None:
     p = domain.add_parser("list", help="list sender domains")
     add_common(p)
     p.set_defaults(handler=cmd_list)
+    p = domain.add_parser(
+        "remove", help="stop an org sending as a domain; deletes the domain's DKIM keys"
+    )
+    add_common(p)
+    p.add_argument("domain")
+    p.set_defaults(handler=cmd_remove)
 
 
 async def cmd_add(args: argparse.Namespace) -> int:
@@ -50,4 +63,30 @@ async def cmd_list(args: argparse.Namespace) -> int:
     async with open_database(args) as (_settings, conn):
         found = await store_domains.list_sender_domains(conn)
     print_rows(args, [vars(d) for d in found], ["domain", "org", "created_at", "id"])
+    return 0
+
+
+async def cmd_remove(args: argparse.Namespace) -> int:
+    domain = normalize_domain(args.domain.strip())
+    if domain is None:
+        raise CliError(f"'{args.domain}' is not a domain name")
+    async with open_database(args) as (_settings, conn):
+        removed = await store_domains.remove_sender_domain(conn, domain)
+    if removed is None:
+        raise CliError(f"no org has added the domain '{domain}'")
+    print_object(
+        args,
+        {
+            "domain": removed.domain.domain,
+            "org": removed.domain.org,
+            "dkim_keys_deleted": removed.dkim_selectors
+            if args.json
+            else ", ".join(removed.dkim_selectors) or None,
+        },
+    )
+    if removed.dkim_selectors and not args.json:
+        eprint(
+            "its DKIM keys are deleted; remove their DNS records once mail signed with them "
+            f"has been delivered: {', '.join(removed.dkim_selectors)}"
+        )
     return 0

@@ -113,14 +113,18 @@ def _timeline(story: MessageStory) -> list[dict[str, Any]]:
         }
     ]
     addresses = {r.id: r.address for r in story.recipients}
-    rows.extend(_attempt_row(a, addresses.get(a.recipient_id, "?")) for a in story.attempts)
+    rows.extend(_attempt_row(story, a, addresses.get(a.recipient_id, "?")) for a in story.attempts)
     return rows
 
 
-def _attempt_row(a: AttemptRecord, address: str) -> dict[str, Any]:
+def _attempt_row(story: MessageStory, a: AttemptRecord, address: str) -> dict[str, Any]:
     reply = " ".join(str(p) for p in (a.code, a.enhanced_code, a.response) if p)
     if not a.applied:
         reply += " [recorded after the lease ended: possible duplicate]"
+    if a.id in story.dsns:
+        reply += f"; DSN queued as {story.dsns[a.id]}"
+    if a.id in story.suppressed:
+        reply += f"; suppressed {story.suppressed[a.id]}"
     return {
         "time": _time(a.started_at + timedelta(seconds=a.duration)),  # as the delivery log
         "event": EVENT_TYPE[Outcome(a.outcome)],

@@ -1,12 +1,16 @@
-"""`org add`, `org list`."""
+"""`org add`, `org list`, `org remove`."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+import asyncpg
+
 from pigeon_mta.commands.common import CliError, add_common, open_database, print_object, print_rows
 from pigeon_mta.store import orgs as store_orgs
+
+MAX_ORG_NAME = 100
 
 
 def register(sub: Any) -> None:
@@ -18,9 +22,33 @@ def register(sub: Any) -> None:
     p = org.add_parser("list", help="list orgs")
     add_common(p)
     p.set_defaults(handler=cmd_list)
+    p = org.add_parser(
+        "remove",
+        help="delete an org with its users, domains, DKIM keys, suppression list and mail",
+    )
+    add_common(p)
+    p.add_argument("name")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="also when mail is queued or being delivered: that mail is deleted, not delivered",
+    )
+    p.set_defaults(handler=cmd_remove)
+
+
+def check_org_name(name: str) -> None:
+    """A name that prints on one line as itself: `org list` is read by people and scripts."""
+    if not name or len(name) > MAX_ORG_NAME:
+        raise CliError(f"an org name must have 1 to {MAX_ORG_NAME} characters")
+    if name != name.strip() or not name.isprintable():
+        raise CliError(
+            f"the org name {name!r} contains control characters, line breaks or white space at "
+            "its ends"
+        )
 
 
 async def cmd_add(args: argparse.Namespace) -> int:
+    check_org_name(args.name)
     async with open_database(args) as (_settings, conn):
         try:
             org = await store_orgs.add_org(conn, args.name)
@@ -34,4 +62,39 @@ async def cmd_list(args: argparse.Namespace) -> int:
     async with open_database(args) as (_settings, conn):
         orgs = await store_orgs.list_orgs(conn)
     print_rows(args, [vars(o) for o in orgs], ["name", "id", "created_at"])
+    return 0
+
+
+async def cmd_remove(args: argparse.Namespace) -> int:
+    async with open_database(args) as (settings, conn):
+        if args.name == settings.relay.trusted_org:
+            raise CliError(
+                f"org '{args.name}' is relay.trusted_org in the config (mail from trusted "
+                "networks belongs to it); name another org there first"
+            )
+        try:
+            removed = await store_orgs.remove_org(conn, args.name, force=args.force)
+        except store_orgs.OrgBusy as exc:
+            raise CliError(
+                f"org '{args.name}' has {exc.waiting} recipient(s) queued or being delivered; "
+                "wait for them, cancel them (pigeon-mta queue cancel --org ORG), or use --force "
+                "to delete them undelivered"
+            ) from None
+        except asyncpg.ForeignKeyViolationError as exc:
+            raise CliError(f"org '{args.name}' is still referenced: {exc.detail}") from None
+    if removed is None:
+        raise CliError(f"there is no org '{args.name}'")
+    print_object(
+        args,
+        {
+            "org": removed.org.name,
+            "id": removed.org.id,
+            "users": removed.users,
+            "domains": removed.domains,
+            "dkim_keys": removed.dkim_keys,
+            "suppressions": removed.suppressions,
+            "messages": removed.messages,
+            "undelivered_recipients": removed.waiting,
+        },
+    )
     return 0

@@ -277,6 +277,13 @@ async def cmd_action(args: argparse.Namespace) -> int:
     args.status = statuses
     async with open_database(args) as (_settings, conn):
         selection = await _selection(conn, args, ids)
+        unknown = await admin_queue.unknown_ids(conn, ids, org_id=selection.org_id)
+        if unknown:
+            where = f" in org '{args.org}'" if args.org else ""
+            raise CliError(
+                f"no message or recipient{where} has the id {', '.join(map(str, unknown))}; "
+                f"nothing was {'retried' if args.action == 'retry' else 'cancelled'}"
+            )
         try:
             result = await admin_queue.bulk_action(
                 conn, args.action, selection, dry_run=args.dry_run

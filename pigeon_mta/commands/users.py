@@ -1,4 +1,7 @@
-"""`user add ORG USERNAME [--password-stdin]`, `user list`, `user disable USERNAME`: SMTP AUTH users."""
+"""`user add|list|passwd|disable|enable|delete`: SMTP AUTH users.
+
+The username rule (which characters, which names count as the same) is in store/credentials.py.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from pigeon_mta.commands.common import CliError, add_common, open_database, prin
 from pigeon_mta.store import credentials as store_credentials
 from pigeon_mta.store import orgs as store_orgs
 
-MAX_USERNAME = 255
+MIN_PASSWORD = store_credentials.MIN_PASSWORD
 
 
 def register(sub: Any) -> None:
@@ -24,44 +27,81 @@ def register(sub: Any) -> None:
     add_common(p)
     p.add_argument("org")
     p.add_argument("username")
-    p.add_argument(
-        "--password-stdin",
-        action="store_true",
-        help="read the password from standard input instead of generating one",
-    )
+    _add_password_stdin(p)
     p.set_defaults(handler=cmd_add)
     p = user.add_parser("list", help="list users")
     add_common(p)
     p.set_defaults(handler=cmd_list)
-    p = user.add_parser("disable", help="refuse a user's AUTH from now on")
+    p = user.add_parser(
+        "passwd", help="set a user's password (generated and printed once unless --password-stdin)"
+    )
     add_common(p)
     p.add_argument("username")
-    p.set_defaults(handler=cmd_disable)
+    _add_password_stdin(p)
+    p.set_defaults(handler=cmd_passwd)
+    for name, handler, text in (
+        ("disable", cmd_disable, "refuse a user's AUTH from now on"),
+        ("enable", cmd_enable, "accept a disabled user's AUTH again"),
+        ("delete", cmd_delete, "delete a user (its queued mail is still delivered)"),
+    ):
+        p = user.add_parser(name, help=text)
+        add_common(p)
+        p.add_argument("username")
+        p.set_defaults(handler=handler)
+
+
+def _add_password_stdin(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--password-stdin",
+        action="store_true",
+        help=f"read the password (one line, at least {MIN_PASSWORD} characters) from standard "
+        "input instead of generating one",
+    )
 
 
 def _check_username(username: str) -> None:
-    if not username or len(username) > MAX_USERNAME:
-        raise CliError(f"a username must have 1 to {MAX_USERNAME} characters")
-    if any(c.isspace() or not c.isprintable() for c in username):
-        raise CliError("a username cannot contain spaces or control characters")
+    problem = store_credentials.username_problem(username)
+    if problem:
+        raise CliError(problem)
 
 
 def _read_password() -> str:
-    text = sys.stdin.read()
+    data = sys.stdin.buffer.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CliError("the password on standard input is not valid UTF-8") from None
     password = text[:-1] if text.endswith("\n") else text
     password = password[:-1] if password.endswith("\r") else password
     if not password:
         raise CliError("no password on standard input")
     if "\n" in password or "\0" in password:
         raise CliError("the password on standard input must be one line")
+    if len(password) < MIN_PASSWORD:
+        raise CliError(
+            f"the password on standard input has {len(password)} characters; "
+            f"it needs at least {MIN_PASSWORD}"
+        )
     return password
+
+
+async def _new_password(args: argparse.Namespace) -> tuple[str, str]:
+    """(password, its hash): read from stdin, or generated."""
+    password = _read_password() if args.password_stdin else store_credentials.generate_password()
+    return password, await asyncio.to_thread(store_credentials.hash_password, password)
+
+
+def _show_password(args: argparse.Namespace, shown: dict[str, Any], password: str) -> None:
+    if not args.password_stdin:
+        shown["password"] = password
+    print_object(args, shown)
+    if not args.password_stdin and not args.json:
+        print("(the password is shown only this once: store it now)", file=sys.stderr)
 
 
 async def cmd_add(args: argparse.Namespace) -> int:
     _check_username(args.username)
-    generated = not args.password_stdin
-    password = store_credentials.generate_password() if generated else _read_password()
-    password_hash = await asyncio.to_thread(store_credentials.hash_password, password)
+    password, password_hash = await _new_password(args)
     async with open_database(args) as (_settings, conn):
         org = await store_orgs.find_org(conn, args.org)
         if org is None:
@@ -74,12 +114,7 @@ async def cmd_add(args: argparse.Namespace) -> int:
             )
         except store_credentials.CredentialExists as exc:
             raise CliError(str(exc)) from None
-    shown: dict[str, Any] = {"username": user.username, "org": user.org, "id": user.id}
-    if generated:
-        shown["password"] = password
-    print_object(args, shown)
-    if generated and not args.json:
-        print("(the password is shown only this once: store it now)", file=sys.stderr)
+    _show_password(args, {"username": user.username, "org": user.org, "id": user.id}, password)
     return 0
 
 
@@ -92,12 +127,47 @@ async def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_passwd(args: argparse.Namespace) -> int:
+    password, password_hash = await _new_password(args)
+    async with open_database(args) as (_settings, conn):
+        user = await store_credentials.set_password(conn, args.username, password_hash)
+    if user is None:
+        raise CliError(f"there is no user '{args.username}'")
+    _show_password(args, {"username": user.username, "org": user.org}, password)
+    return 0
+
+
 async def cmd_disable(args: argparse.Namespace) -> int:
     async with open_database(args) as (_settings, conn):
         user = await store_credentials.disable_credential(conn, args.username)
+    return _print_state(args, user)
+
+
+async def cmd_enable(args: argparse.Namespace) -> int:
+    async with open_database(args) as (_settings, conn):
+        user = await store_credentials.enable_credential(conn, args.username)
+    return _print_state(args, user)
+
+
+def _print_state(args: argparse.Namespace, user: store_credentials.Credential | None) -> int:
     if user is None:
         raise CliError(f"there is no user '{args.username}'")
     print_object(
-        args, {"username": user.username, "org": user.org, "disabled_at": user.disabled_at}
+        args,
+        {
+            "username": user.username,
+            "org": user.org,
+            "disabled": user.disabled,
+            "disabled_at": user.disabled_at,
+        },
     )
+    return 0
+
+
+async def cmd_delete(args: argparse.Namespace) -> int:
+    async with open_database(args) as (_settings, conn):
+        user = await store_credentials.delete_credential(conn, args.username)
+    if user is None:
+        raise CliError(f"there is no user '{args.username}'")
+    print_object(args, {"username": user.username, "org": user.org, "deleted": True})
     return 0

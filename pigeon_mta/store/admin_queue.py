@@ -189,7 +189,28 @@ _ROW_COLUMNS = """r.id, r.message_id AS queue_id, o.name AS org, m.sender, r.add
 
 
 def _recipient_row(row: asyncpg.Record) -> RecipientRow:
-    return RecipientRow(**{k: row[k] for k in RecipientRow.__dataclass_fields__})
+    """A row as `queue list` and `queue show` print it: a queued row that was tried before says
+    "deferred", as `--status deferred` selects it and the summary counts it."""
+    fields = {k: row[k] for k in RecipientRow.__dataclass_fields__}
+    if fields["status"] == Status.QUEUED and fields["attempts"] > 0:
+        fields["status"] = DEFERRED
+    return RecipientRow(**fields)
+
+
+async def unknown_ids(
+    db: Executor, ids: Sequence[uuid.UUID], *, org_id: uuid.UUID | None = None
+) -> list[uuid.UUID]:
+    """Those of `ids` that are neither a queue id nor a recipient id (in the org, when given)."""
+    rows = await db.fetch(
+        """SELECT i FROM unnest($1::uuid[]) AS i
+           WHERE NOT EXISTS (SELECT 1 FROM message m
+                             WHERE m.id = i AND ($2::uuid IS NULL OR m.org_id = $2))
+             AND NOT EXISTS (SELECT 1 FROM recipient r
+                             WHERE r.id = i AND ($2::uuid IS NULL OR r.org_id = $2))""",
+        list(ids),
+        org_id,
+    )
+    return [r["i"] for r in rows]
 
 
 async def list_recipients(

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import os
 import secrets
+import string
+import typing
+import unicodedata
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -72,6 +77,9 @@ DUMMY_HASH = "$".join(
 )
 
 
+MIN_PASSWORD = 12  # characters, for a password chosen by the operator
+
+
 def generate_password() -> str:
     """A strong random password (144 bits), URL-safe so it survives any config file."""
     return secrets.token_urlsafe(18)
@@ -85,6 +93,34 @@ def _scrypt(
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
+
+
+# ---------------------------------------------------------------- usernames
+
+# A username is ASCII letters, digits and these, so that no two names can look alike on screen
+# while being different users (Cyrillic U+0430 for "a", a fullwidth letter, an invisible joiner)
+# and none carries a space or a control character. Two names are the same user when their normal
+# forms (`username_key`: NFKC, then case folding) are equal: `user add` refuses a name whose normal
+# form another user has, and AUTH finds a user by the normal form of the name the client sent.
+MAX_USERNAME = 255
+USERNAME_CHARACTERS = frozenset(string.ascii_letters + string.digits + "._-@+")
+
+
+def username_problem(username: str) -> str | None:
+    """Why `username` cannot be a new user's name (one sentence), or None when it can."""
+    if not username or len(username) > MAX_USERNAME:
+        return f"a username must have 1 to {MAX_USERNAME} characters"
+    if not set(username) <= USERNAME_CHARACTERS:
+        return (
+            f"the username {username!r} may contain only ASCII letters, digits and . _ - @ + "
+            "(no spaces, control characters or look-alike letters from other scripts)"
+        )
+    return None
+
+
+def username_key(username: str) -> str:
+    """The normal form two usernames are compared by: NFKC, then case folding."""
+    return unicodedata.normalize("NFKC", username).casefold()
 
 
 # ---------------------------------------------------------------- the table
@@ -131,23 +167,54 @@ def _credential(row: asyncpg.Record) -> Credential:
     )
 
 
+# One `user add` at a time (a transaction-scoped advisory lock), so that the check for a name of
+# the same normal form sees every name committed before it.
+_NAMES_LOCK = 0x70696765  # "pige"
+
+# Names stored before the character rule may be outside ASCII; lower() then depends on the
+# database's locale, and such a name is still found by its exact spelling.
+_ADD = f"""
+WITH c AS (
+    INSERT INTO credential (id, org_id, username, password_hash)
+    SELECT $1, $2, $3, $4
+    WHERE NOT EXISTS (SELECT 1 FROM credential WHERE lower(username) = $5)
+    ON CONFLICT (username) DO NOTHING
+    RETURNING *)
+SELECT {_COLUMNS} FROM c JOIN org o ON o.id = c.org_id
+"""
+
+
 async def add_credential(
     db: Executor, org_id: uuid.UUID, username: str, password_hash: str
 ) -> Credential:
-    row = await db.fetchrow(
-        f"""WITH c AS (
-                INSERT INTO credential (id, org_id, username, password_hash)
-                VALUES ($1, $2, $3, $4) ON CONFLICT (username) DO NOTHING
-                RETURNING *)
-            SELECT {_COLUMNS} FROM c JOIN org o ON o.id = c.org_id""",
-        new_id(),
-        org_id,
-        username,
-        password_hash,
-    )
-    if row is None:
-        raise CredentialExists(f"user '{username}' already exists")
+    """Add a user; CredentialExists when a user of the same normal form (`username_key`) exists."""
+    async with _transaction(db) as conn:
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", _NAMES_LOCK)
+        row = await conn.fetchrow(
+            _ADD, new_id(), org_id, username, password_hash, username_key(username)
+        )
+        if row is None:
+            existing = await conn.fetchval(
+                "SELECT username FROM credential WHERE lower(username) = $1 OR username = $2",
+                username_key(username),
+                username,
+            )
+            if existing == username:
+                raise CredentialExists(f"user '{username}' already exists")
+            raise CredentialExists(
+                f"user '{existing}' already exists and '{username}' differs from it only by case"
+            )
     return _credential(row)
+
+
+@contextlib.asynccontextmanager
+async def _transaction(db: Executor) -> AsyncIterator[asyncpg.Connection]:
+    if isinstance(db, asyncpg.Pool):
+        async with db.acquire() as conn, conn.transaction():
+            yield typing.cast(asyncpg.Connection, conn)
+    else:
+        async with db.transaction():
+            yield db
 
 
 async def list_credentials(db: Executor) -> list[Credential]:
@@ -160,23 +227,67 @@ async def list_credentials(db: Executor) -> list[Credential]:
 
 async def disable_credential(db: Executor, username: str) -> Credential | None:
     """Disable a user (idempotent); None when there is no such user."""
+    return await _update(
+        db, username, "disabled = true, disabled_at = COALESCE(disabled_at, now())"
+    )
+
+
+async def enable_credential(db: Executor, username: str) -> Credential | None:
+    """Let a disabled user log in again (idempotent); None when there is no such user."""
+    return await _update(db, username, "disabled = false, disabled_at = NULL")
+
+
+async def set_password(db: Executor, username: str, password_hash: str) -> Credential | None:
+    """Replace a user's password; None when there is no such user. AUTH checks the new hash at
+    once (its cache of verified logins is keyed by the hash)."""
+    return await _update(db, username, "password_hash = $2", password_hash)
+
+
+async def _update(
+    db: Executor, username: str, assignments: str, *args: object
+) -> Credential | None:
     row = await db.fetchrow(
         f"""WITH c AS (
-                UPDATE credential
-                SET disabled = true, disabled_at = COALESCE(disabled_at, now())
-                WHERE username = $1
-                RETURNING *)
+                UPDATE credential SET {assignments} WHERE username = $1 RETURNING *)
             SELECT {_COLUMNS} FROM c JOIN org o ON o.id = c.org_id""",
         username,
+        *args,
     )
     return _credential(row) if row else None
 
 
+async def delete_credential(db: Executor, username: str) -> Credential | None:
+    """Delete a user; None when there is no such user. Its messages keep their `auth_user` (the
+    name, for the log) and lose only the link to the row (used by the per-user message rate)."""
+    async with _transaction(db) as conn:
+        row = await conn.fetchrow(
+            f"SELECT {_COLUMNS} FROM credential c JOIN org o ON o.id = c.org_id "
+            "WHERE c.username = $1 FOR UPDATE OF c",
+            username,
+        )
+        if row is None:
+            return None
+        await conn.execute(
+            "UPDATE message SET credential_id = NULL WHERE credential_id = $1", row["id"]
+        )
+        await conn.execute("DELETE FROM credential WHERE id = $1", row["id"])
+    return _credential(row)
+
+
+# The exact spelling first (a name stored before the character rule may differ from another only
+# by case), then the normal form. Not an index lookup: lower(username) has no index, and the
+# credential table is small next to the scrypt work every AUTH does.
+_FIND_LOGIN = """
+SELECT id, org_id, username, password_hash, disabled FROM credential
+WHERE username = $1 OR lower(username) = $2
+ORDER BY username = $1 DESC, created_at
+LIMIT 1
+"""
+
+
 async def find_login(db: Executor, username: str) -> Login | None:
-    row = await db.fetchrow(
-        "SELECT id, org_id, username, password_hash, disabled FROM credential WHERE username = $1",
-        username,
-    )
+    """The user AUTH named: the same name by its normal form (`username_key`)."""
+    row = await db.fetchrow(_FIND_LOGIN, username, username_key(username))
     if row is None:
         return None
     return Login(

@@ -6,6 +6,8 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
+import asyncpg
+
 from pigeon_mta.ids import new_id
 from pigeon_mta.store.queue import Executor
 
@@ -64,3 +66,34 @@ async def org_may_send_as(db: Executor, org_id: uuid.UUID, domain: str) -> bool:
         domain,
     )
     return bool(found)
+
+
+@dataclass(frozen=True)
+class RemovedDomain:
+    domain: SenderDomain
+    dkim_selectors: list[str]  # the selectors of the DKIM keys deleted with it
+
+
+async def remove_sender_domain(db: asyncpg.Connection, domain: str) -> RemovedDomain | None:
+    """Remove `domain` (normalized) and its DKIM keys, in one transaction; None when no org has it.
+
+    The keys go with the domain: they sign only for it, and a private key kept for a domain no
+    org may send as would be a secret with no use.
+    """
+    async with db.transaction():
+        row = await db.fetchrow(
+            """SELECT d.id, d.org_id, o.name AS org, d.domain, d.created_at
+               FROM sender_domain d JOIN org o ON o.id = d.org_id
+               WHERE d.domain = $1 FOR UPDATE OF d""",
+            domain,
+        )
+        if row is None:
+            return None
+        selectors = await db.fetch(
+            "DELETE FROM dkim_key WHERE domain_id = $1 RETURNING selector", row["id"]
+        )
+        await db.execute("DELETE FROM sender_domain WHERE id = $1", row["id"])
+    return RemovedDomain(
+        SenderDomain(row["id"], row["org_id"], row["org"], row["domain"], row["created_at"]),
+        sorted(s["selector"] for s in selectors),
+    )

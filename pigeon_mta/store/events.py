@@ -9,12 +9,13 @@ recipient_message and attempt_recipient.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 
 import asyncpg
 
+from pigeon_mta.bounce import DSN_LISTENER
 from pigeon_mta.store.queue import Executor
 
 
@@ -78,6 +79,10 @@ class MessageStory:
     message: MessageRecord
     recipients: tuple[RecipientRecord, ...]
     attempts: tuple[AttemptRecord, ...]  # in the order they happened
+    # What a failure caused, by attempt id (see `consequences`): the queue id of the DSN that
+    # told the sender, and the address its bounce put on the suppression list.
+    dsns: Mapping[uuid.UUID, uuid.UUID] = field(default_factory=dict)
+    suppressed: Mapping[uuid.UUID, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- finding messages
@@ -213,14 +218,73 @@ async def stories_of(
         recipients = [r for r in recipients if r.address in wanted]
     kept = {r.id for r in recipients}
     attempts = [_attempt(a) for a in await db.fetch(_ATTEMPTS, ids)]
+    dsns, suppressed = await consequences(
+        db, [a for a in attempts if a.recipient_id in kept], recipients, messages
+    )
     return [
         MessageStory(
             message=m,
             recipients=tuple(r for r in recipients if r.message_id == m.id),
             attempts=tuple(a for a in attempts if a.message_id == m.id and a.recipient_id in kept),
+            dsns=dsns,
+            suppressed=suppressed,
         )
         for m in messages
     ]
+
+
+# ---------------------------------------------------------------- what a failure caused
+
+# A DSN is queued in the transaction that records the bounce or expiry it reports
+# (store/bounces.py), so its message row's received_at is the attempt row's recorded_at (both are
+# that transaction's now()); among the DSNs of that instant (one per message failed in the round)
+# its delivery-status part names the original's queue id. Served by message_org_received.
+_DSNS = f"""
+SELECT a.id AS attempt_id, d.id AS dsn_id
+FROM attempt a
+CROSS JOIN LATERAL (
+    SELECT m.id FROM message m
+    WHERE m.org_id = a.org_id AND m.received_at = a.recorded_at
+      AND m.listener = '{DSN_LISTENER}' AND m.sender = ''
+      AND position(convert_to('X-Pigeon-Queue-ID: ' || a.message_id::text, 'UTF8') IN m.body) > 0
+    ORDER BY m.id LIMIT 1
+) d
+WHERE a.id = ANY ($1::uuid[])
+"""
+
+# A bounce's suppression entry points at its attempt (until a later bounce or an operator
+# replaces it); looked up by the list's key, (org_id, address).
+_SUPPRESSED = """
+SELECT s.attempt_id, s.address FROM suppression s
+WHERE s.org_id = ANY ($1::uuid[])
+  AND s.address = ANY (SELECT lower(x) FROM unnest($2::text[]) AS x)
+  AND s.attempt_id = ANY ($3::uuid[])
+"""
+
+
+async def consequences(
+    db: Executor,
+    attempts: Sequence[AttemptRecord],
+    recipients: Sequence[RecipientRecord],
+    messages: Sequence[MessageRecord],
+) -> tuple[dict[uuid.UUID, uuid.UUID], dict[uuid.UUID, str]]:
+    """For the bounces and expiries among `attempts`: the DSN each queued and the suppression
+    entry each made, by attempt id."""
+    failed = [a for a in attempts if a.applied and a.outcome in ("bounced", "expired")]
+    if not failed:
+        return {}, {}
+    dsn_rows = await db.fetch(_DSNS, [a.id for a in failed])
+    failed_recipients = {a.recipient_id for a in failed}
+    suppressed_rows = await db.fetch(
+        _SUPPRESSED,
+        list({m.org_id for m in messages}),
+        list({r.address for r in recipients if r.id in failed_recipients}),
+        [a.id for a in failed if a.outcome == "bounced"],
+    )
+    return (
+        {r["attempt_id"]: r["dsn_id"] for r in dsn_rows},
+        {r["attempt_id"]: r["address"] for r in suppressed_rows},
+    )
 
 
 # ---------------------------------------------------------------- expiry, for the delivery log

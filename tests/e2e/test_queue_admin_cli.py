@@ -118,15 +118,18 @@ async def test_cancel_by_filter_touches_exactly_what_the_dry_run_counted(
     assert {after[i][0] for i in touched} == {"cancelled"}
     assert {before[i][0] for i in touched} == {"queued"}
 
-    # Scoped to an org, by id: only that org's rows, whatever ids are named.
+    # Scoped to an org, by id: ids of another org's mail are not found in it.
     other_ids = [
         r["message_id"]
         for r in await pool.fetch(
             "SELECT message_id FROM recipient WHERE domain = 'other.example' LIMIT 3"
         )
     ]
-    dry = pigeon(db_url, "queue", "cancel", *map(str, other_ids), "--org", "other", "--dry-run")
-    assert dry["count"] == 0
+    refused = run_pigeon(
+        "queue", "cancel", *map(str, other_ids), "--org", "other", "--dry-run",
+        env={"PIGEON_DATABASE_URL": db_url},
+    )  # fmt: skip
+    assert refused.returncode == 1 and "no message or recipient in org 'other'" in refused.stderr
     done = pigeon(db_url, "queue", "cancel", *map(str, other_ids), "--org", "acme")
     assert done["count"] == 3
 
@@ -149,6 +152,22 @@ async def test_bulk_actions_want_a_target_and_valid_input(
     assert text.returncode == 0 and "would cancel 0 recipient(s)" in text.stdout
 
 
+async def test_retry_or_cancel_of_an_unknown_id_says_so_and_changes_nothing(
+    db_url: str, pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    await deferred(pool, org_id, messages=1, domain="example.net", age=60)
+    known = str(await pool.fetchval("SELECT message_id FROM recipient"))
+    before = await snapshot(pool)
+    ghost = str(uuid.uuid4())
+    for action, done in (("retry", "retried"), ("cancel", "cancelled")):
+        result = run_pigeon("queue", action, known, ghost, env={"PIGEON_DATABASE_URL": db_url})
+        assert result.returncode == 1, result.stdout
+        assert f"no message or recipient has the id {ghost}; nothing was {done}" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert changed(before, await snapshot(pool)) == set()
+    assert await pool.fetchval("SELECT count(*) FROM attempt") == 0
+
+
 async def test_summary_list_and_show(db_url: str, pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
     await fill(pool, org_id)
     summary = pigeon(db_url, "queue")
@@ -168,8 +187,13 @@ async def test_summary_list_and_show(db_url: str, pool: asyncpg.Pool, org_id: uu
     assert table.returncode == 0, table.stderr
     assert "other.example" in table.stdout and "oldest due recipient has waited" in table.stdout
 
+    # A queued row that was tried before is shown as what --status deferred selects.
     listed = pigeon(db_url, "queue", "list", "--status", "deferred", "--domain", "other.example")
-    assert len(listed) == 20 and {r["status"] for r in listed} == {"queued"}
+    assert len(listed) == 20 and {r["status"] for r in listed} == {"deferred"}
+    live = pigeon(db_url, "queue", "list", "--domain", "fresh.example")
+    assert len(live) == 7 and {r["status"] for r in live} == {"queued"}
+    table = run_pigeon("queue", "list", "--org", "other", env={"PIGEON_DATABASE_URL": db_url})
+    assert [line.split()[2] for line in table.stdout.splitlines()[1:]] == ["deferred"] * 15
     assert pigeon(db_url, "queue", "list", "--org", "other", "--limit", "5").__len__() == 5
     assert len(pigeon(db_url, "queue", "list", "--status", "delivered")) == 50
     assert len(pigeon(db_url, "queue", "list")) == 85  # the live queue: queued + delivering

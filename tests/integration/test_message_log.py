@@ -14,6 +14,7 @@ import asyncpg
 
 from pigeon_mta.deliverylog import EVENT_FIELDS, DeliveryLog
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
+from pigeon_mta.store.bounces import record_attempts_and_bounce
 from pigeon_mta.store.queue import claim_due_recipients, enqueue, record_attempts
 from tests.conftest import run_pigeon
 
@@ -224,3 +225,43 @@ async def test_log_says_clearly_when_nothing_matches(db_url: str) -> None:
         assert code == 1
         assert out == ""
         assert err.count("\n") == 1 and f"no message matches {ref!r}" in err
+
+
+async def test_a_bounce_names_its_dsn_and_the_suppression_entry_it_made(
+    pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
+) -> None:
+    """Two messages bounce in one round: each Bounce event names its own DSN (queued in the same
+    transaction, so at the same instant) and the address it put on the suppression list."""
+    from tests.integration.test_bounces import HOST, UNKNOWN, claim_all, result
+
+    first = await enqueue(pool, story_envelope(org_id, ("bob@example.net",), "b1@example.com"))
+    second = await enqueue(pool, story_envelope(org_id, ("carol@example.org",), "b2@example.com"))
+    deliveries = {d.message_id: d for d in await claim_all(pool)}
+    recorded = await record_attempts_and_bounce(
+        pool,
+        [
+            result(deliveries[first], "bob@example.net", Outcome.BOUNCED, UNKNOWN),
+            result(deliveries[second], "carol@example.org", Outcome.BOUNCED, UNKNOWN),
+        ],
+        hostname=HOST,
+    )
+    assert len(recorded.bounces) == 2
+    dsn_of = {
+        row["original"]: row["id"]
+        for row in await pool.fetch(
+            """SELECT id, substring(convert_from(body, 'UTF8')
+                                    FROM 'X-Pigeon-Queue-ID: ([0-9a-f-]+)')::uuid AS original
+               FROM message WHERE sender = ''"""
+        )
+    }
+
+    code, out, err = await pigeon_log(db_url, str(first), "--json")
+    assert code == 0, err
+    [bounce] = [e for e in map(json.loads, out.splitlines()) if e["type"] == "Bounce"]
+    assert bounce["dsn_queue_id"] == str(dsn_of[first]) != str(dsn_of[second])
+    assert bounce["suppressed"] == "bob@example.net"
+
+    code, out, err = await pigeon_log(db_url, str(second))
+    assert code == 0, err
+    [line] = [line for line in out.splitlines() if " Bounce " in line]
+    assert f"DSN queued as {dsn_of[second]}" in line and "suppressed carol@example.org" in line

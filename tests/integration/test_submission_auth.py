@@ -168,3 +168,24 @@ async def test_mail_without_auth_is_refused_on_submission_listeners(
                 return client.docmd("MAIL", "FROM:<app@acme.example>")
 
         assert await asyncio.to_thread(attempt) == (530, b"5.7.0 Authentication required")
+
+
+async def test_auth_finds_a_user_by_the_normal_form_of_its_name(
+    tmp_path: Path, db_url: str, pool: asyncpg.Pool
+) -> None:
+    """`user add` refuses names that differ only by case (or are look-alikes from another script),
+    so AUTH treats such spellings as the name they normalize to: any case logs in as alice, a
+    Cyrillic look-alike does not."""
+    user = await add_user(pool)
+    settings = make_settings(
+        tmp_path, db_url, make_tls(tmp_path), modes=("submission",), plaintext_auth=True
+    )
+    async with running_service(settings, pool) as running:
+
+        def login(username: str) -> tuple[int, bytes]:
+            with smtp_client(running.port("submission")) as client:
+                client.ehlo()
+                return client.docmd("AUTH", "PLAIN " + plain(username, user.password))
+
+        assert (await asyncio.to_thread(login, "ALICE"))[0] == 235
+        assert (await asyncio.to_thread(login, "\u0430lice"))[0] == 535
