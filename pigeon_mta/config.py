@@ -188,8 +188,9 @@ class LimitsSettings:
     # The whole DATA phase must finish within this time, or the client is disconnected.
     data_timeout: Duration = Duration(600)
     # Failed AUTH attempts one client IP may make within auth_failure_window (counted across all
-    # processes and nodes, in the database); beyond that its AUTH gets 454 4.7.0 until old failures
-    # age out of the window. 0 turns throttling off.
+    # processes and nodes, in the database, from the IP's first failure; the count starts over
+    # when the window has passed); beyond that its AUTH gets 454 4.7.0, even with the right
+    # password, also when the attempts run in parallel. 0 turns throttling off.
     max_auth_failures: int = 5
     auth_failure_window: Duration = Duration(600)
     # Messages one SMTP AUTH credential may submit within credential_rate_window (counted in the

@@ -130,10 +130,15 @@ class SubmissionHandler:
         if not username:
             return await self._refuse(server, None, "empty username")
         try:
-            checked = await self.ctx.authenticator.check(username, password)
+            checked = await self.ctx.authenticator.check(
+                username, password, client_ip=conv.client_ip
+            )
         except DB_ERRORS as exc:
             log.warning("AUTH from [%s]: cannot check credentials: %s", conv.client_ip, exc)
             return AuthResult(success=False, handled=False, message=replies.AUTH_UNAVAILABLE)
+        if checked.verdict is Verdict.THROTTLED:
+            log.warning("AUTH from [%s] refused: too many recent failures", conv.client_ip)
+            return AuthResult(success=False, handled=False, message=replies.AUTH_THROTTLED)
         if checked.verdict is not Verdict.OK or checked.login is None:
             return await self._refuse(server, username, checked.reason)
         conv.login = checked.login
@@ -158,11 +163,15 @@ class SubmissionHandler:
             why,
         )
         try:
-            await self.ctx.authenticator.record_failure(
+            over_limit = await self.ctx.authenticator.record_failure(
                 client_ip=conv.client_ip, username=username, listener=self.ctx.name
             )
         except DB_ERRORS as exc:
             log.warning("cannot record the AUTH failure of [%s]: %s", conv.client_ip, exc)
+            over_limit = False
+        if over_limit:
+            # Failures of parallel attempts reached the limit before this one was counted.
+            return AuthResult(success=False, handled=False, message=replies.AUTH_THROTTLED)
         return AuthResult(success=False, handled=False, message=reply)
 
     # ------------------------------------------------------------ envelope
