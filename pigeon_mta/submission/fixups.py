@@ -15,6 +15,8 @@ from email.utils import format_datetime
 
 import authres
 
+from pigeon_mta.submission.authserv import claims_authserv_id
+
 CRLF = b"\r\n"
 # A header field name: printable ASCII except the colon (RFC 5322 2.2).
 _FIELD_NAME = re.compile(rb"[\x21-\x39\x3b-\x7e]+:")
@@ -188,8 +190,4 @@ def _authentication_results(hostname: str, auth_user: str | None) -> bytes:
 
 def _forged_results(name: bytes, field: bytes, hostname: str) -> bool:
     """An Authentication-Results field claiming to be ours: RFC 8601 5 says remove it."""
-    if name != b"authentication-results":
-        return False
-    value = field_value(field)
-    authserv_id = value.split(";", 1)[0].split()
-    return bool(authserv_id) and authserv_id[0].lower() == hostname.lower()
+    return name == b"authentication-results" and claims_authserv_id(field_value(field), hostname)
