@@ -201,6 +201,10 @@ class LimitsSettings:
     # (before its last space or tab within the limit, else at the limit with a space starting the
     # next part, as Postfix does when it relays); "refuse" answers the DATA with 500 5.5.2.
     long_lines: Literal["fold", "refuse"] = "fold"
+    # Received: fields a message may carry, ours included (as Postfix's hopcount_limit): a message
+    # that arrives with this many gets 554 5.4.6 after its DATA and is not queued, so that a
+    # routing loop ends instead of circulating until delivery.max_age. 0 = no limit.
+    max_hops: int = 50
 
 
 # TLS policy towards a destination (see DeliverySettings.tls).
@@ -577,6 +581,9 @@ def _check_submission(settings: Settings) -> None:
     for key in ("command_timeout", "data_timeout", "auth_failure_window", "credential_rate_window"):
         if getattr(limits, key) <= 0:
             raise ConfigError(f"'limits.{key}' must be more than zero")
+    for key in ("max_hops",):
+        if getattr(limits, key) < 0:
+            raise ConfigError(f"'limits.{key}' must not be negative")
 
 
 def _check_host_port(value: str, key: str, default_port: int) -> None:

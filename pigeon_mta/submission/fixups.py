@@ -47,6 +47,10 @@ class HeaderTooLarge(Exception):
     """The header section is larger than the limit `split_header` was given."""
 
 
+class TooManyHops(Exception):
+    """The message has passed through as many hosts as `apply_fixups` allows (a routing loop)."""
+
+
 def split_header(data: bytes, *, max_size: int = 0) -> SplitMessage:
     """Header fields up to the first blank line, or up to the first line that is not a field.
     With `max_size`, a header section longer than that raises HeaderTooLarge as soon as it is
@@ -126,15 +130,19 @@ class Fixed:
 
 
 def apply_fixups(
-    data: bytes, trace: Trace, *, new_message_id: str, max_header_size: int = 0
+    data: bytes, trace: Trace, *, new_message_id: str, max_header_size: int = 0, max_hops: int = 0
 ) -> Fixed:
-    """The message as queued. Raises HeaderTooLarge past `max_header_size` (0: no limit)."""
+    """The message as queued. Raises HeaderTooLarge past `max_header_size`, TooManyHops when
+    the message holds `max_hops` Received fields already, ours to come (0: no limit)."""
     data = normalize_line_endings(data)
     if data and not data.endswith(CRLF):
         data += CRLF
     split = split_header(data, max_size=max_header_size)
     # Each field's name once (four lookups below would otherwise parse it four times).
     named = [(field_name(f), f) for f in split.fields]
+    # Only the header section's fields count: a Received line quoted in the body is no hop.
+    if max_hops and sum(1 for n, _f in named if n == b"received") >= max_hops:
+        raise TooManyHops(f"the message passed {max_hops} hosts already")
     named = [(n, f) for n, f in named if not _forged_results(n, f, trace.hostname)]
     fields = [f for _n, f in named]
     names = {n for n, _f in named}

@@ -31,7 +31,7 @@ from pigeon_mta.submission.addresses import (
 )
 from pigeon_mta.submission.auth import Verdict
 from pigeon_mta.submission.context import Conversation, ListenerContext
-from pigeon_mta.submission.fixups import HeaderTooLarge, Trace, apply_fixups
+from pigeon_mta.submission.fixups import HeaderTooLarge, TooManyHops, Trace, apply_fixups
 from pigeon_mta.submission.reception import Reception, record_reception
 
 log = logging.getLogger("pigeon_mta.submission")
@@ -295,6 +295,7 @@ class SubmissionHandler:
                 ),
                 new_message_id=f"{new_id().hex}@{self.ctx.hostname}",
                 max_header_size=self.ctx.limits.max_header_size,
+                max_hops=self.ctx.limits.max_hops,
             )
         except HeaderTooLarge:
             log.info(
@@ -304,6 +305,14 @@ class SubmissionHandler:
                 self.ctx.limits.max_header_size,
             )
             return replies.HEADER_TOO_BIG
+        except TooManyHops:
+            log.warning(
+                "message from [%s] refused: %d or more Received fields (limits.max_hops), "
+                "a routing loop?",
+                conv.client_ip,
+                self.ctx.limits.max_hops,
+            )
+            return replies.TOO_MANY_HOPS
         if conv.login is not None and self.ctx.sender_policy == "strict":
             refusal = await self._check_from_header(conv, fixed.from_values)
             if refusal:

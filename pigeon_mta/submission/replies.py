@@ -33,6 +33,7 @@ MESSAGE_TOO_BIG = "552 5.3.4 Message size exceeds fixed maximum message size"
 HEADER_TOO_BIG = "552 5.3.4 Message header exceeds fixed maximum header size"
 LINE_TOO_LONG = "500 5.5.2 Line too long (RFC 5321 4.5.3.1.6)"
 RATE_LIMITED = "450 4.7.1 Message rate limit exceeded for this user, try again later"
+TOO_MANY_HOPS = "554 5.4.6 Too many hops"  # RFC 3463 X.4.6: routing loop detected
 
 DATABASE_TROUBLE = "451 4.3.0 Temporary failure queueing the message, try again later"
 LOCAL_ERROR = "451 4.3.0 Local error in processing, try again later"
@@ -111,6 +112,7 @@ _REASONS = {
         "too_many_recipients": (TOO_MANY_RECIPIENTS,),
         "size": (MESSAGE_TOO_BIG, HEADER_TOO_BIG),
         "rate_limit": (RATE_LIMITED,),
+        "too_many_hops": (TOO_MANY_HOPS,),
         "database": (DATABASE_TROUBLE, AUTH_UNAVAILABLE),
         "local_error": (LOCAL_ERROR,),
     }.items()

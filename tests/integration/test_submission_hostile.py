@@ -50,3 +50,35 @@ async def test_forged_results_hidden_behind_comments_are_removed(
     assert b"dmarc=pass" not in header
     assert b"Authentication-Results: other.example (c); spf=pass\r\n" in header
     assert header.count(b"Authentication-Results:") == 2  # ours and other.example's
+
+
+def _send_with_received(port: int, hops: int, body_lines: int = 0) -> tuple[int, bytes]:
+    trace = "".join(
+        f"Received: from hop{n}.example by hop{n + 1}.example; Mon, 1 Jan 2024 00:00:00 +0000\r\n"
+        for n in range(hops)
+    )
+    quoted = "Received: from quoted.example\r\n" * body_lines  # in the body: not a hop
+    with smtp_client(port) as client:
+        client.ehlo()
+        client.mail("app@host.internal")
+        client.rcpt("bob@example.net")
+        return client.data(f"{trace}Subject: loop?\r\n\r\n{quoted}body\r\n".encode())
+
+
+async def test_a_message_over_the_hop_limit_is_refused(
+    tmp_path: Path, db_url: str, pool: asyncpg.Pool
+) -> None:
+    """limits.max_hops (50) Received fields at most, ours included, as Postfix's hopcount_limit:
+    a routing loop ends at the 50th hop instead of circulating until delivery.max_age."""
+    async with running_service(
+        make_settings(tmp_path, db_url, None, modes=("relay",)), pool
+    ) as running:
+        port = running.port("relay")
+        looping = await asyncio.to_thread(_send_with_received, port, 50)
+        last_hop = await asyncio.to_thread(_send_with_received, port, 49)
+        quoting = await asyncio.to_thread(_send_with_received, port, 1, 200)
+    assert looping == (554, b"5.4.6 Too many hops")
+    assert last_hop[0] == 250 and quoting[0] == 250
+    last_body, quoting_body = [bytes(r["body"]) for r in await message_rows(pool)]
+    assert last_body.split(b"\r\n\r\n", 1)[0].count(b"Received:") == 50
+    assert quoting_body.count(b"Received: from quoted.example") == 200
