@@ -205,6 +205,12 @@ class LimitsSettings:
     # that arrives with this many gets 554 5.4.6 after its DATA and is not queued, so that a
     # routing loop ends instead of circulating until delivery.max_age. 0 = no limit.
     max_hops: int = 50
+    # Junk commands one connection may send between messages it gets queued (as Postfix's
+    # smtpd_junk_command_limit); the next one gets 421 4.7.0 and the connection is closed. Junk:
+    # NOOP, RSET, VRFY, EXPN, HELP, HELO, EHLO, and any command refused for its syntax or sequence
+    # (unknown commands included), for want of AUTH or TLS, a failed AUTH or a relay refusal.
+    # 0 = no limit.
+    max_junk_commands: int = 100
 
 
 # TLS policy towards a destination (see DeliverySettings.tls).
@@ -581,9 +587,6 @@ def _check_submission(settings: Settings) -> None:
     for key in ("command_timeout", "data_timeout", "auth_failure_window", "credential_rate_window"):
         if getattr(limits, key) <= 0:
             raise ConfigError(f"'limits.{key}' must be more than zero")
-    for key in ("max_hops",):
-        if getattr(limits, key) < 0:
-            raise ConfigError(f"'limits.{key}' must not be negative")
 
 
 def _check_host_port(value: str, key: str, default_port: int) -> None:

@@ -54,6 +54,7 @@ START_DATA = "354 End data with <CR><LF>.<CR><LF>"
 TOO_MANY_CONNECTIONS = "421 4.7.0 {hostname} Too many connections from your address"
 TIMEOUT = "421 4.4.2 {hostname} Error: timeout exceeded"
 SHUTTING_DOWN = "421 4.3.2 {hostname} Service shutting down, try again later"
+TOO_MANY_JUNK_COMMANDS = "421 4.7.0 {hostname} Too many junk commands"
 
 # aiosmtpd's replies that say something we want said differently.
 _STOCK = {
@@ -123,3 +124,12 @@ _REASONS = {
 def rejection_reason(reply: str) -> str:
     """The metric label for a 4xx/5xx reply; "protocol" for syntax and sequence errors."""
     return _REASONS.get(reply, "protocol")
+
+
+# Refusals that count as junk commands (limits.max_junk_commands): those of how the client speaks
+# (syntax, sequence, unknown commands) or who it is (AUTH, relaying). Refusals of what it sends
+# (an address, a size, a rate, a loop) and local trouble do not count: a legitimate bulk sender
+# meets those, and other limits bound them.
+JUNK_REASONS = frozenset(
+    {"protocol", "auth_required", "auth_failed", "auth_throttled", "relay_denied"}
+)
