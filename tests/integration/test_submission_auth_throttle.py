@@ -141,3 +141,40 @@ async def test_every_refused_login_costs_the_same_password_work(
         # Verified (and remembered) a moment ago while enabled: still the full check.
         assert await asyncio.to_thread(login, "alice", user.password) == 535
     assert checks == ["pw unknown", "pw wrong", "pw disabled", user.password]
+
+
+async def test_the_count_starts_over_after_its_window_and_old_counts_are_pruned(
+    tmp_path: Path, db_url: str, pool: asyncpg.Pool
+) -> None:
+    user = await add_user(pool)
+    settings = make_settings(
+        tmp_path,
+        db_url,
+        make_tls(tmp_path),
+        modes=("submission",),
+        plaintext_auth=True,
+        max_auth_failures=2,
+    )
+    async with running_service(settings, pool) as running:
+
+        def guess(source: str) -> int:
+            with smtp_client(running.port("submission"), source=source) as client:
+                client.ehlo()
+                code, _ = client.docmd("AUTH", "PLAIN " + plain(user.username, "guess"))
+                return code
+
+        assert [await asyncio.to_thread(guess, "127.0.0.1") for _ in range(3)] == [535, 535, 454]
+        assert await asyncio.to_thread(guess, "127.0.0.3") == 535
+        await pool.execute(
+            "UPDATE auth_throttle SET window_start = window_start - interval '1 hour'"
+            " WHERE client_ip = '127.0.0.3'"
+        )
+        await pool.execute(
+            "UPDATE auth_throttle SET window_start = window_start - interval '1 hour'"
+            " WHERE client_ip = '127.0.0.1'"
+        )
+        # 127.0.0.1's window has passed: its next failure is the first of a new one. The
+        # statement that counts it prunes the passed count of 127.0.0.3.
+        assert await asyncio.to_thread(guess, "127.0.0.1") == 535
+    rows = await pool.fetch("SELECT host(client_ip) AS ip, failures FROM auth_throttle")
+    assert [(r["ip"], r["failures"]) for r in rows] == [("127.0.0.1", 1)]
