@@ -211,8 +211,9 @@ class LimitsSettings:
     # The whole DATA phase must finish within this time, or the client is disconnected.
     data_timeout: Duration = Duration(600)
     # Failed AUTH attempts one client IP may make within auth_failure_window (counted across all
-    # processes and nodes, in the database); beyond that its AUTH gets 454 4.7.0 until old failures
-    # age out of the window. 0 turns throttling off.
+    # processes and nodes, in the database, from the IP's first failure; the count starts over
+    # when the window has passed); beyond that its AUTH gets 454 4.7.0, even with the right
+    # password, also when the attempts run in parallel. 0 turns throttling off.
     max_auth_failures: int = 5
     auth_failure_window: Duration = Duration(600)
     # Messages one SMTP AUTH credential may submit within credential_rate_window (counted in the
@@ -223,6 +224,16 @@ class LimitsSettings:
     # (before its last space or tab within the limit, else at the limit with a space starting the
     # next part, as Postfix does when it relays); "refuse" answers the DATA with 500 5.5.2.
     long_lines: Literal["fold", "refuse"] = "fold"
+    # Received: fields a message may carry, ours included (as Postfix's hopcount_limit): a message
+    # that arrives with this many gets 554 5.4.6 after its DATA and is not queued, so that a
+    # routing loop ends instead of circulating until delivery.max_age. 0 = no limit.
+    max_hops: int = 50
+    # Junk commands one connection may send between messages it gets queued (as Postfix's
+    # smtpd_junk_command_limit); the next one gets 421 4.7.0 and the connection is closed. Junk:
+    # NOOP, RSET, VRFY, EXPN, HELP, HELO, EHLO, and any command refused for its syntax or sequence
+    # (unknown commands included), for want of AUTH or TLS, a failed AUTH or a relay refusal.
+    # 0 = no limit.
+    max_junk_commands: int = 100
 
 
 # TLS policy towards a destination (see DeliverySettings.tls).

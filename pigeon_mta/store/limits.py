@@ -10,27 +10,51 @@ import uuid
 from pigeon_mta.ids import new_id
 from pigeon_mta.store.queue import Executor
 
-# Cross-tenant by design: a failed AUTH belongs to no org. Old rows of every client are pruned in
-# the same statement (the time index keeps that cheap), so the table holds one window of failures.
+# Cross-tenant by design: a failed AUTH belongs to no org. One statement records the failure
+# (auth_failure), adds it to the IP's count (auth_throttle) and returns that count: the upsert
+# locks the IP's row, so concurrent failures of one IP are counted one after another and each
+# statement knows whether its failure is past the limit (a count read before the password check
+# and written after it would let every failure of a parallel burst see the same low count).
+# A count whose window has passed starts over at 1. Old rows of other clients are pruned in the
+# same statement, skipping rows another statement holds, so that pruning never waits.
 _RECORD_AUTH_FAILURE = """
-WITH pruned AS (
-    DELETE FROM auth_failure WHERE failed_at < now() - make_interval(secs => $5)
+WITH pruned_failures AS (
+    DELETE FROM auth_failure WHERE id IN (
+        SELECT id FROM auth_failure WHERE failed_at < now() - make_interval(secs => $5)
+        FOR UPDATE SKIP LOCKED)
+), pruned_counts AS (
+    DELETE FROM auth_throttle WHERE client_ip IN (
+        SELECT client_ip FROM auth_throttle
+        WHERE window_start < now() - make_interval(secs => $5) AND client_ip <> $2::inet
+        FOR UPDATE SKIP LOCKED)
+), logged AS (
+    INSERT INTO auth_failure (id, client_ip, username, listener) VALUES ($1, $2::inet, $3, $4)
 )
-INSERT INTO auth_failure (id, client_ip, username, listener) VALUES ($1, $2::inet, $3, $4)
+INSERT INTO auth_throttle AS t (client_ip, failures, window_start) VALUES ($2::inet, 1, now())
+ON CONFLICT (client_ip) DO UPDATE SET
+    failures = CASE WHEN t.window_start < now() - make_interval(secs => $5)
+                    THEN 1 ELSE t.failures + 1 END,
+    window_start = CASE WHEN t.window_start < now() - make_interval(secs => $5)
+                        THEN now() ELSE t.window_start END
+RETURNING failures
 """
 
 
 async def record_auth_failure(
     db: Executor, *, client_ip: str, username: str | None, listener: str, window: float
-) -> None:
-    await db.execute(_RECORD_AUTH_FAILURE, new_id(), client_ip, username, listener, float(window))
+) -> int:
+    """Record a failed AUTH; returns the failures of `client_ip` in its window, this one included."""
+    count = await db.fetchval(
+        _RECORD_AUTH_FAILURE, new_id(), client_ip, username, listener, float(window)
+    )
+    return int(count)
 
 
 async def recent_auth_failures(db: Executor, *, client_ip: str, window: float) -> int:
-    """Failed AUTH attempts from `client_ip` within the last `window` seconds."""
+    """Failed AUTH attempts from `client_ip` in its current window (0 once the window passed)."""
     count = await db.fetchval(
-        """SELECT count(*) FROM auth_failure
-           WHERE client_ip = $1::inet AND failed_at > now() - make_interval(secs => $2)""",
+        """SELECT failures FROM auth_throttle
+           WHERE client_ip = $1::inet AND window_start >= now() - make_interval(secs => $2)""",
         client_ip,
         float(window),
     )

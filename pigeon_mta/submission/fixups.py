@@ -15,6 +15,8 @@ from email.utils import format_datetime
 
 import authres
 
+from pigeon_mta.submission.authserv import claims_authserv_id
+
 CRLF = b"\r\n"
 # A header field name: printable ASCII except the colon (RFC 5322 2.2).
 _FIELD_NAME = re.compile(rb"[\x21-\x39\x3b-\x7e]+:")
@@ -45,6 +47,10 @@ class SplitMessage:
 
 class HeaderTooLarge(Exception):
     """The header section is larger than the limit `split_header` was given."""
+
+
+class TooManyHops(Exception):
+    """The message has passed through as many hosts as `apply_fixups` allows (a routing loop)."""
 
 
 def split_header(data: bytes, *, max_size: int = 0) -> SplitMessage:
@@ -127,15 +133,19 @@ class Fixed:
 
 
 def apply_fixups(
-    data: bytes, trace: Trace, *, new_message_id: str, max_header_size: int = 0
+    data: bytes, trace: Trace, *, new_message_id: str, max_header_size: int = 0, max_hops: int = 0
 ) -> Fixed:
-    """The message as queued. Raises HeaderTooLarge past `max_header_size` (0: no limit)."""
+    """The message as queued. Raises HeaderTooLarge past `max_header_size`, TooManyHops when
+    the message holds `max_hops` Received fields already, ours to come (0: no limit)."""
     data = normalize_line_endings(data)
     if data and not data.endswith(CRLF):
         data += CRLF
     split = split_header(data, max_size=max_header_size)
     # Each field's name once (four lookups below would otherwise parse it four times).
     named = [(field_name(f), f) for f in split.fields]
+    # Only the header section's fields count: a Received line quoted in the body is no hop.
+    if max_hops and sum(1 for n, _f in named if n == b"received") >= max_hops:
+        raise TooManyHops(f"the message passed {max_hops} hosts already")
     named = [(n, f) for n, f in named if not _forged_results(n, f, trace.hostname)]
     fields = [f for _n, f in named]
     names = {n for n, _f in named}
@@ -192,8 +202,4 @@ def _authentication_results(hostname: str, auth_user: str | None) -> bytes:
 
 def _forged_results(name: bytes, field: bytes, hostname: str) -> bool:
     """An Authentication-Results field claiming to be ours: RFC 8601 5 says remove it."""
-    if name != b"authentication-results":
-        return False
-    value = field_value(field)
-    authserv_id = value.split(";", 1)[0].split()
-    return bool(authserv_id) and authserv_id[0].lower() == hostname.lower()
+    return name == b"authentication-results" and claims_authserv_id(field_value(field), hostname)

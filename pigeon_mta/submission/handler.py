@@ -32,7 +32,7 @@ from pigeon_mta.submission.addresses import (
 )
 from pigeon_mta.submission.auth import Verdict
 from pigeon_mta.submission.context import Conversation, ListenerContext
-from pigeon_mta.submission.fixups import HeaderTooLarge, Trace, apply_fixups
+from pigeon_mta.submission.fixups import HeaderTooLarge, TooManyHops, Trace, apply_fixups
 from pigeon_mta.submission.reception import Reception, record_reception
 
 log = logging.getLogger("pigeon_mta.submission")
@@ -132,10 +132,15 @@ class SubmissionHandler:
         if not username:
             return await self._refuse(server, None, "empty username")
         try:
-            checked = await self.ctx.authenticator.check(username, password)
+            checked = await self.ctx.authenticator.check(
+                username, password, client_ip=conv.client_ip
+            )
         except DB_ERRORS as exc:
             log.warning("AUTH from [%s]: cannot check credentials: %s", conv.client_ip, exc)
             return AuthResult(success=False, handled=False, message=replies.AUTH_UNAVAILABLE)
+        if checked.verdict is Verdict.THROTTLED:
+            log.warning("AUTH from [%s] refused: too many recent failures", conv.client_ip)
+            return AuthResult(success=False, handled=False, message=replies.AUTH_THROTTLED)
         if checked.verdict is not Verdict.OK or checked.login is None:
             return await self._refuse(server, username, checked.reason)
         conv.login = checked.login
@@ -160,11 +165,15 @@ class SubmissionHandler:
             why,
         )
         try:
-            await self.ctx.authenticator.record_failure(
+            over_limit = await self.ctx.authenticator.record_failure(
                 client_ip=conv.client_ip, username=username, listener=self.ctx.name
             )
         except DB_ERRORS as exc:
             log.warning("cannot record the AUTH failure of [%s]: %s", conv.client_ip, exc)
+            over_limit = False
+        if over_limit:
+            # Failures of parallel attempts reached the limit before this one was counted.
+            return AuthResult(success=False, handled=False, message=replies.AUTH_THROTTLED)
         return AuthResult(success=False, handled=False, message=reply)
 
     # ------------------------------------------------------------ envelope
@@ -288,6 +297,7 @@ class SubmissionHandler:
                 ),
                 new_message_id=f"{new_id().hex}@{self.ctx.hostname}",
                 max_header_size=self.ctx.limits.max_header_size,
+                max_hops=self.ctx.limits.max_hops,
             )
         except HeaderTooLarge:
             log.info(
@@ -297,6 +307,14 @@ class SubmissionHandler:
                 self.ctx.limits.max_header_size,
             )
             return replies.HEADER_TOO_BIG
+        except TooManyHops:
+            log.warning(
+                "message from [%s] refused: %d or more Received fields (limits.max_hops), "
+                "a routing loop?",
+                conv.client_ip,
+                self.ctx.limits.max_hops,
+            )
+            return replies.TOO_MANY_HOPS
         refusal = await self._check_originators(conv, fixed.address_fields)
         if refusal:
             return refusal

@@ -8,6 +8,7 @@ import collections
 import logging
 import socket
 import typing
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiosmtpd.smtp import SMTP, Session, syntax
@@ -68,6 +69,8 @@ class SMTPSession(SMTP):
         )
         self._counted = False
         self._refused = False
+        self.junk_commands = 0  # since the connection opened or its last queued message
+        self._in_junk_command = False  # its replies are not counted again
 
     def __dir__(self) -> list[str]:
         # aiosmtpd's constructor looks through dir() of the connection for its smtp_* commands
@@ -169,6 +172,8 @@ class SMTPSession(SMTP):
             return
         self.envelope.content = self.envelope.original_content = data.content
         status = await self._call_handler_hook("DATA")
+        if isinstance(status, str) and status.startswith("250"):
+            self.junk_commands = 0
         if data.folded:
             log.info(
                 "%d line(s) over 998 octets folded (limits.long_lines) in the message from [%s]: %s",
@@ -221,6 +226,9 @@ class SMTPSession(SMTP):
 
     @syntax("EHLO hostname")
     async def smtp_EHLO(self, hostname: str) -> None:
+        await self._junk(self._ehlo, hostname)
+
+    async def _ehlo(self, hostname: str) -> None:
         if not hostname:
             await self.push(replies.EHLO_SYNTAX)
             return
@@ -241,6 +249,9 @@ class SMTPSession(SMTP):
 
     @syntax("HELO hostname")
     async def smtp_HELO(self, hostname: str) -> None:
+        await self._junk(self._helo, hostname)
+
+    async def _helo(self, hostname: str) -> None:
         if not hostname:
             await self.push(replies.HELO_SYNTAX)
             return
@@ -260,13 +271,74 @@ class SMTPSession(SMTP):
         if isinstance(status, str):
             status = replies.with_enhanced_code(status)
             if status[:1] in ("4", "5"):
-                SMTP_REJECTIONS.labels(
-                    listener=self.ctx.name, reason=replies.rejection_reason(status)
-                ).inc()
+                reason = replies.rejection_reason(status)
+                if (
+                    reason in replies.JUNK_REASONS
+                    and not self._in_junk_command
+                    and self._count_junk()
+                ):
+                    return
+                SMTP_REJECTIONS.labels(listener=self.ctx.name, reason=reason).inc()
             # Some aiosmtpd replies echo the client's argument, which may hold bytes that were
             # not UTF-8 (kept as surrogates): escape rather than fail.
             status = status.encode("ascii", "backslashreplace")
         await super().push(status)
+
+    # ------------------------------------------------------------ junk commands
+
+    # Commands that move no message forward. A connection may send limits.max_junk_commands of
+    # them between the messages it gets queued, as Postfix's smtpd_junk_command_limit, else a
+    # NOOP now and then keeps it open for ever. Junk are NOOP, RSET, VRFY, EXPN, HELP (Postfix's
+    # set, less ETRN, which is not offered), HELO and EHLO (as Exim's smtp_accept_max_nonmail:
+    # a client needs one or two per connection), and every command whose refusal is one of
+    # replies.JUNK_REASONS, counted in push(). aiosmtpd closes a connection after five unknown
+    # commands on its own (502 5.5.1).
+
+    @syntax("NOOP [ignored]")
+    async def smtp_NOOP(self, arg: str) -> None:
+        await self._junk(super().smtp_NOOP, arg)
+
+    @syntax("RSET")
+    async def smtp_RSET(self, arg: str) -> None:
+        await self._junk(super().smtp_RSET, arg)
+
+    @syntax("VRFY <address>")
+    async def smtp_VRFY(self, arg: str) -> None:
+        await self._junk(super().smtp_VRFY, arg)
+
+    async def smtp_EXPN(self, arg: str) -> None:
+        await self._junk(super().smtp_EXPN, arg)
+
+    @syntax("HELP [command]")
+    async def smtp_HELP(self, arg: str) -> None:
+        await self._junk(super().smtp_HELP, arg)
+
+    async def _junk(self, command: Callable[[str], Awaitable[Any]], arg: str) -> None:
+        """Run a junk command, counted once whatever it answers; or hang up if it is one too
+        many."""
+        if self._count_junk():
+            return
+        self._in_junk_command = True
+        try:
+            await command(arg)
+        finally:
+            self._in_junk_command = False
+
+    def _count_junk(self) -> bool:
+        """Count one junk command; True when it is one too many: the connection is then closed
+        with a 421 (RFC 5321 3.8) instead of its reply."""
+        self.junk_commands += 1
+        limit = self.ctx.limits.max_junk_commands
+        if not limit or self.junk_commands <= limit:
+            return False
+        SMTP_REJECTIONS.labels(listener=self.ctx.name, reason="junk_commands").inc()
+        log.warning(
+            "closing the connection from [%s]: more than %d junk commands (limits.max_junk_commands)",
+            self.conversation.client_ip,
+            limit,
+        )
+        self.close_with(replies.TOO_MANY_JUNK_COMMANDS)
+        return True
 
 
 def _set_nodelay(transport: asyncio.BaseTransport) -> None:

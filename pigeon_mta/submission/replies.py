@@ -53,6 +53,7 @@ MESSAGE_TOO_BIG = "552 5.3.4 Message size exceeds fixed maximum message size"
 HEADER_TOO_BIG = "552 5.3.4 Message header exceeds fixed maximum header size"
 LINE_TOO_LONG = "500 5.5.2 Line too long (RFC 5321 4.5.3.1.6)"
 RATE_LIMITED = "450 4.7.1 Message rate limit exceeded for this user, try again later"
+TOO_MANY_HOPS = "554 5.4.6 Too many hops"  # RFC 3463 X.4.6: routing loop detected
 
 DATABASE_TROUBLE = "451 4.3.0 Temporary failure queueing the message, try again later"
 LOCAL_ERROR = "451 4.3.0 Local error in processing, try again later"
@@ -73,6 +74,7 @@ START_DATA = "354 End data with <CR><LF>.<CR><LF>"
 TOO_MANY_CONNECTIONS = "421 4.7.0 {hostname} Too many connections from your address"
 TIMEOUT = "421 4.4.2 {hostname} Error: timeout exceeded"
 SHUTTING_DOWN = "421 4.3.2 {hostname} Service shutting down, try again later"
+TOO_MANY_JUNK_COMMANDS = "421 4.7.0 {hostname} Too many junk commands"
 
 # aiosmtpd's replies that say something we want said differently.
 _STOCK = {
@@ -132,6 +134,7 @@ _REASONS = {
         "too_many_recipients": (TOO_MANY_RECIPIENTS,),
         "size": (MESSAGE_TOO_BIG, HEADER_TOO_BIG),
         "rate_limit": (RATE_LIMITED,),
+        "too_many_hops": (TOO_MANY_HOPS,),
         "database": (DATABASE_TROUBLE, AUTH_UNAVAILABLE),
         "local_error": (LOCAL_ERROR,),
     }.items()
@@ -142,3 +145,12 @@ _REASONS = {
 def rejection_reason(reply: str) -> str:
     """The metric label for a 4xx/5xx reply; "protocol" for syntax and sequence errors."""
     return _REASONS.get(reply, "protocol")
+
+
+# Refusals that count as junk commands (limits.max_junk_commands): those of how the client speaks
+# (syntax, sequence, unknown commands) or who it is (AUTH, relaying). Refusals of what it sends
+# (an address, a size, a rate, a loop) and local trouble do not count: a legitimate bulk sender
+# meets those, and other limits bound them.
+JUNK_REASONS = frozenset(
+    {"protocol", "auth_required", "auth_failed", "auth_throttled", "relay_denied"}
+)

@@ -1,6 +1,6 @@
 """SMTP AUTH: only over TLS (unless configured on loopback), wrong and disabled users, throttling.
 
-client (127.0.0.1 / 127.0.0.3) ──SMTP──► listeners ──► PostgreSQL (credential, auth_failure)
+client (127.0.0.1 / 127.0.0.3) ──SMTP──► listeners ──► PostgreSQL (credential, auth_throttle)
 """
 
 from __future__ import annotations
@@ -144,7 +144,9 @@ async def test_repeated_failures_throttle_the_client_ip(
         # Another client is not affected.
         assert (await asyncio.to_thread(login, user.password, "127.0.0.3"))[0] == 235
         # Old failures age out of the window, and then the client may try again.
-        await pool.execute("UPDATE auth_failure SET failed_at = failed_at - interval '1 hour'")
+        await pool.execute(
+            "UPDATE auth_throttle SET window_start = window_start - interval '1 hour'"
+        )
         assert (await asyncio.to_thread(login, user.password, "127.0.0.1"))[0] == 235
 
 
