@@ -10,10 +10,10 @@ import pytest
 
 
 def promtool() -> str:
-    """The path of promtool (Debian package `prometheus`, installed by .ci/run)."""
+    """The path of promtool (Debian package `prometheus`, installed by scripts/test)."""
     path = shutil.which("promtool")
     if path is None:
-        pytest.fail("promtool is not installed: apt-get install prometheus (.ci/run does)")
+        pytest.fail("promtool is not installed: apt-get install prometheus (scripts/test does)")
     return path
 
 

@@ -33,6 +33,7 @@ from pigeon_mta.submission.addresses import (
 from pigeon_mta.submission.auth import Verdict
 from pigeon_mta.submission.context import Conversation, ListenerContext
 from pigeon_mta.submission.fixups import HeaderTooLarge, TooManyHops, Trace, apply_fixups
+from pigeon_mta.submission.mail_params import TransactionEnvelope
 from pigeon_mta.submission.reception import Reception, record_reception
 
 log = logging.getLogger("pigeon_mta.submission")
@@ -346,6 +347,8 @@ class SubmissionHandler:
             message_id=fixed.message_id,
             tls=f"{conv.tls_version} {conv.tls_cipher}" if conv.tls_version else None,
             received_at=received_at,
+            # Recorded only: the client's claim, never a policy input (mail_params.py).
+            auth_param=envelope.auth_param if isinstance(envelope, TransactionEnvelope) else None,
         )
         try:
             await self._enqueue(server, message, reception)

@@ -19,6 +19,7 @@ from pigeon_mta.submission.addresses import client_address, in_networks, split_p
 from pigeon_mta.submission.context import Conversation, ListenerContext
 from pigeon_mta.submission.data import DataProblem, read_data
 from pigeon_mta.submission.handler import SubmissionHandler, names_with_prefixes
+from pigeon_mta.submission.mail_params import Malformed, TransactionEnvelope, take_auth_param
 
 log = logging.getLogger("pigeon_mta.submission")
 
@@ -83,6 +84,9 @@ class SMTPSession(SMTP):
     def _create_session(self) -> Session:
         return _QuietSession(self.loop)
 
+    def _create_envelope(self) -> TransactionEnvelope:
+        return TransactionEnvelope()
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if not self._counted:
             if not self._admit(transport):
@@ -133,6 +137,26 @@ class SMTPSession(SMTP):
         """Say `reply` (a 421) and hang up."""
         if self.transport is not None:
             _say_and_close(self.transport, reply.format(hostname=self.ctx.hostname))
+
+    # ------------------------------------------------------------ MAIL
+
+    @syntax("MAIL FROM: <address>", extended=" [SP <mail-parameters>]")
+    async def smtp_MAIL(self, arg: str | None) -> None:
+        # aiosmtpd checks SIZE, BODY and SMTPUTF8 and refuses any other parameter with a 555.
+        # RFC 4954 section 5: a server that offers AUTH accepts MAIL's AUTH= parameter, so it is
+        # taken off here (before aiosmtpd upper-cases the mailbox in it) and kept with the
+        # transaction; without EHLO aiosmtpd refuses any parameter.
+        assert self.session is not None and self.envelope is not None
+        if arg is None or not self.session.extended_smtp:
+            await super().smtp_MAIL(arg)
+            return
+        arg, auth_param = take_auth_param(arg)
+        if auth_param is Malformed.AUTH:
+            await self.push(replies.BAD_AUTH_PARAM)
+            return
+        if not self.envelope.mail_from:  # a nested MAIL leaves the transaction as it is
+            typing.cast(TransactionEnvelope, self.envelope).auth_param = auth_param
+        await super().smtp_MAIL(arg)
 
     # ------------------------------------------------------------ DATA and timers
 
@@ -242,8 +266,8 @@ class SMTPSession(SMTP):
         if not self._auth_require_tls or self._tls_protocol:
             lines.append("AUTH " + " ".join(sorted(self._auth_methods)))
         # RFC 1869 4.7: extensions' MAIL parameters lengthen the MAIL command (SIZE=, SMTPUTF8,
-        # BODY=8BITMIME).
-        self.command_size_limits["MAIL"] = SMTP.command_size_limit + 26 + 10 + 14
+        # BODY=8BITMIME, and 500 for AUTH= by RFC 4954 section 5).
+        self.command_size_limits["MAIL"] = SMTP.command_size_limit + 26 + 10 + 14 + 500
         text = "\r\n".join(f"250-{x}" for x in lines[:-1]) + f"\r\n250 {lines[-1]}"
         await super().push(text.encode("ascii", "replace"))
 

@@ -28,12 +28,15 @@ class Reception:
     message_id: str | None  # the Message-ID header value, without angle brackets
     tls: str | None  # "TLSv1.3 TLS_AES_256_GCM_SHA384", None without TLS
     received_at: datetime
+    # MAIL's AUTH= (RFC 4954 section 5), as the client claimed it: "" for AUTH=<>, None if absent.
+    auth_param: str | None = None
 
 
 def record_reception(reception: Reception) -> None:
     MESSAGES_ACCEPTED.labels(listener=reception.listener).inc()
+    auth_param = "" if reception.auth_param is None else f" auth=<{reception.auth_param}>"
     log.info(
-        "queued %s listener=%s client=[%s] user=%s from=<%s> nrcpt=%d size=%d message-id=<%s>",
+        "queued %s listener=%s client=[%s] user=%s from=<%s> nrcpt=%d size=%d message-id=<%s>%s",
         reception.queue_id,
         reception.listener,
         reception.client_ip,
@@ -42,4 +45,5 @@ def record_reception(reception: Reception) -> None:
         len(reception.recipients),
         reception.size,
         reception.message_id or "",
+        auth_param,
     )

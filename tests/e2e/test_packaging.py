@@ -72,7 +72,9 @@ def test_entrypoint_works_from_a_fresh_venv(tmp_path: Path) -> None:
 
 
 def test_systemd_unit_verifies(tmp_path: Path) -> None:
-    assert shutil.which("systemd-analyze"), "systemd-analyze is missing (.ci/run installs systemd)"
+    assert shutil.which("systemd-analyze"), (
+        "systemd-analyze is missing (scripts/test installs systemd)"
+    )
     # The unit names the installed command (/opt/pigeon-mta/bin/pigeon-mta); verify checks that
     # executables exist, so point a copy at this interpreter and leave everything else as shipped.
     unit = (REPO / "systemd" / "pigeon-mta.service").read_text()

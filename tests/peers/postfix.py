@@ -51,7 +51,7 @@ postlog   unix-dgram n  -       n       -       1       postlogd
 def postfix_tool(name: str) -> str:
     path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin")
     if path is None:
-        pytest.fail(f"{name} is not installed: apt-get install postfix (.ci/run does)")
+        pytest.fail(f"{name} is not installed: apt-get install postfix (scripts/test does)")
     return path
 
 

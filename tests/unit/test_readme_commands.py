@@ -1,13 +1,16 @@
-"""README.md's two commands: the test command is the one CI runs, and both come first."""
+"""README.md's two commands: the test command is the one CI runs, both come first, and the test
+command sets up every tool the tests ask for."""
 
 from __future__ import annotations
 
+import os
 import re
 
 from tests.conftest import REPO
 
 README = (REPO / "README.md").read_text()
 CI = (REPO / ".ci" / "run").read_text()
+TEST_SCRIPT = REPO / "scripts" / "test"
 
 
 def readme_test_command() -> str:
@@ -31,3 +34,25 @@ def test_the_two_commands_come_first() -> None:
     first_blocks = re.findall(r"```sh\n(.+?)\n```", README, re.S)[:2]
     assert "pigeon-mta serve" in first_blocks[0] and "pip install ." in first_blocks[0]
     assert first_blocks[1].strip() == readme_test_command()
+
+
+def test_the_test_command_is_the_setup_script_and_runs_pytest() -> None:
+    """On a fresh machine the command alone must do: set up, then the whole suite."""
+    assert readme_test_command() == "scripts/test"
+    assert os.access(TEST_SCRIPT, os.X_OK)
+    script = TEST_SCRIPT.read_text()
+    assert "pip install -q -e '.[test]'" in script
+    assert script.rstrip().endswith('exec .venv/bin/python -m pytest -q "$@"')
+
+
+def test_every_debian_package_the_tests_ask_for_is_installed_by_the_test_command() -> None:
+    """A test that misses a tool names its package ("apt-get install X"); the script installs it."""
+    script = TEST_SCRIPT.read_text()
+    declared = re.search(r"APT_PACKAGES=\((.*?)\)", script, re.S)
+    assert declared, "scripts/test has no APT_PACKAGES list"
+    installed = set(declared.group(1).split())
+    asked: set[str] = set()
+    for path in (REPO / "tests").rglob("*.py"):
+        asked.update(re.findall(r"apt-get install ([a-z0-9][a-z0-9.+-]+)", path.read_text()))
+    assert asked, "no test names a Debian package"
+    assert asked <= installed, f"scripts/test does not install {sorted(asked - installed)}"

@@ -1,0 +1,187 @@
+"""README's client examples (Python, Node.js with nodemailer, msmtp), taken from README.md itself,
+run against the real `pigeon-mta serve` with its self-signed certificate, as the quick start has it.
+
+Only README's placeholders are replaced: the port, the certificate path (the one serve logs) and the
+password; the host stays `localhost`.
+
+python / node / msmtp ──STARTTLS (self-signed cert, trusted)+AUTH──► pigeon submission
+                                                                        │ PostgreSQL queue
+                              aiosmtpd sink 127.0.0.2:port ◄──SMTP──────┘ ([delivery] relayhost)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, free_port, run_pigeon
+from tests.e2e.serve_process import ServeProcess, write_config
+from tests.peers.smtp_sink import SinkState, start_sink, stop_servers
+
+README = (REPO / "README.md").read_text()
+NODE_MODULES = REPO / ".venv" / "peers" / "node" / "node_modules"
+PASSWORD = "readme example password"
+
+# The placeholders as README writes them.
+README_PORT = "2587"
+README_CA_FILE = "/var/lib/pigeon-mta/tls/selfsigned.pem"
+README_PASSWORD = "PASSWORD"
+
+
+def snippet(language: str, marker: str) -> str:
+    """The README code block of `language` ("" for a plain one) that contains `marker`."""
+    blocks: list[tuple[str, list[str]]] = []
+    current: list[str] | None = None
+    for line in README.splitlines():
+        if current is None and line.startswith("```"):
+            current = []
+            blocks.append((line[3:].strip(), current))
+        elif current is not None and line == "```":
+            current = None
+        elif current is not None:
+            current.append(line)
+    found = ["\n".join(body) + "\n" for lang, body in blocks if lang == language]
+    found = [block for block in found if marker in block]
+    assert len(found) == 1, f"README has {len(found)} ```{language} blocks with {marker!r}"
+    return found[0]
+
+
+def substitute(text: str, replacements: dict[str, str]) -> str:
+    for placeholder, value in replacements.items():
+        assert placeholder in text, f"the README example has no placeholder {placeholder!r}"
+        text = text.replace(placeholder, value)
+    return text
+
+
+def run(command: list[str], cwd: Path, env: dict[str, str], stdin: bytes = b"") -> str:
+    result = subprocess.run(
+        command, cwd=cwd, env={**os.environ, **env}, input=stdin, capture_output=True, timeout=120
+    )
+    output = (result.stdout + result.stderr).decode(errors="replace")
+    assert result.returncode == 0, f"{command[0]} failed:\n{output}"
+    return output
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed: run scripts/test --setup-only")
+    return path
+
+
+async def test_readme_client_examples_send_through_the_quick_start(
+    tmp_path: Path, db_url: str
+) -> None:
+    state = SinkState()
+    sink = await start_sink(state, "127.0.0.2", 0)
+    sink_port = sink.sockets[0].getsockname()[1]
+    port = str(free_port())
+    # The quick start's submission listener: no tls_cert, so the self-signed certificate.
+    config = write_config(
+        tmp_path,
+        f"""
+[server]
+hostname = "mta.test"
+data_dir = "{tmp_path}"
+node_name = "e2e-readme"
+processes = 1
+shutdown_timeout = "5s"
+[database]
+url = "{db_url}"
+[[listener]]
+name = "submission"
+address = "127.0.0.1:{port}"
+mode = "submission"
+[metrics]
+listen = "127.0.0.1:{free_port()}"
+[delivery]
+relayhost = "127.0.0.2:{sink_port}"
+[log]
+delivery_log = ""
+""",
+    )
+    for args, stdin in [
+        (("org", "add", "acme"), None),
+        (("domain", "add", "acme", "example.com"), None),
+        (("user", "add", "acme", "app", "--password-stdin"), PASSWORD + "\n"),
+    ]:
+        result = await asyncio.to_thread(run_pigeon, *args, "--config", str(config), input=stdin)
+        assert result.returncode == 0, result.stderr
+
+    serve = ServeProcess("--config", str(config))
+    try:
+        line = await asyncio.to_thread(serve.wait_for, "using the self-signed certificate")
+        ca_file = re.search(r"using the self-signed certificate (\S+)", line)
+        assert ca_file, line
+        await asyncio.to_thread(serve.wait_for, "listener submission bound on")
+
+        # Python: the snippet as a script.
+        python = substitute(
+            snippet("python", "smtplib"),
+            {f", {README_PORT}\n": f", {port}\n", README_CA_FILE: ca_file.group(1)},
+        )
+        (tmp_path / "send.py").write_text(python)
+        await asyncio.to_thread(
+            run, [sys.executable, "send.py"], tmp_path, {"SMTP_PASSWORD": PASSWORD}
+        )
+
+        # Node.js: send.js next to the nodemailer scripts/test installed; the command line of
+        # its first comment gives the environment.
+        js = snippet("js", "nodemailer")
+        command_line = js.splitlines()[0]
+        assert f"NODE_EXTRA_CA_CERTS={README_CA_FILE} " in command_line, command_line
+        js = substitute(js, {f"port: {README_PORT},": f"port: {port},"})
+        if not NODE_MODULES.exists():
+            pytest.fail(f"nodemailer is missing ({NODE_MODULES}): run scripts/test --setup-only")
+        (tmp_path / "node_modules").symlink_to(NODE_MODULES)
+        (tmp_path / "send.js").write_text(js)
+        node_output = await asyncio.to_thread(
+            run,
+            [tool("node"), "send.js"],
+            tmp_path,
+            {"NODE_EXTRA_CA_CERTS": ca_file.group(1), "SMTP_PASSWORD": PASSWORD},
+        )
+        assert "250 2.0.0 Ok: queued as " in node_output, node_output
+
+        # msmtp: the configuration file as README gives it, and cron's message (From: root).
+        msmtprc = substitute(
+            snippet("", "tls_starttls"),
+            {
+                f"port {README_PORT}\n": f"port {port}\n",
+                README_CA_FILE: ca_file.group(1),
+                f"password {README_PASSWORD}\n": f"password {PASSWORD}\n",
+            },
+        )
+        (tmp_path / "msmtprc").write_text(msmtprc)
+        (tmp_path / "msmtprc").chmod(0o600)  # msmtp refuses a password file others can read
+        await asyncio.to_thread(
+            run,
+            [tool("msmtp"), "-C", str(tmp_path / "msmtprc"), "bob@example.net"],
+            tmp_path,
+            {},
+            b"From: root@client.test (Cron Daemon)\nSubject: cron\n\nSent by msmtp.\n",
+        )
+
+        try:
+            await state.wait_for(lambda: state.deliveries()["bob@example.net"] == 3, 60)
+        except AssertionError:
+            raise AssertionError(f"not delivered; serve:\n{serve.output}") from None
+    finally:
+        exit_code = await asyncio.to_thread(serve.stop)
+        await stop_servers([sink])
+    assert exit_code == 0, serve.output
+
+    received = state.received_by("bob@example.net")
+    assert [m.mail_from for m in received] == ["app@example.com"] * 3
+    bodies = b"\n".join(m.data for m in received)
+    assert b"Sent through pigeon-mta." in bodies  # Python
+    assert b"\r\n\r\nHi" in bodies  # Node.js
+    [cron] = [m for m in received if b"Sent by msmtp." in m.data]
+    assert b"\r\nFrom: app@example.com" in cron.data and b"root@client.test" not in cron.data
