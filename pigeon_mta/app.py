@@ -235,7 +235,7 @@ def worker_services(
     from pigeon_mta.submission.service import SubmissionService
 
     delivery_log = DeliveryLog.from_settings(settings)
-    signer = DkimSigner(pool)
+    signer = DkimSigner.from_settings(pool, settings)
     # One waker per process: the engine waits on it; LISTEN brings mail queued elsewhere, and this
     # process's listeners wake it directly after each commit (NotifySender.poke), which also sends
     # one coalesced NOTIFY for the other processes and nodes when this engine cannot take it all.
