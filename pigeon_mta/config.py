@@ -178,6 +178,10 @@ class ListenerSettings:
 class RelaySettings:
     trusted_networks: tuple[Network, ...] = (Network("127.0.0.0/8"), Network("::1/128"))
     trusted_org: str = "internal"
+    # Sign mail of trusted_org whose From: domain belongs to another org with that org's active
+    # DKIM key (else it goes out unsigned: each org's keys sign only its own mail). Any host in
+    # trusted_networks can then send mail signed for every org's domains: it is their smarthost.
+    sign_with_owner_key: bool = False
     # Which sender addresses an authenticated user may use (clients from trusted networks are not
     # checked): "strict" = the envelope sender and every From:, Sender:, Resent-From: and
     # Resent-Sender: address must be in one of the user's org's sender domains, and a message

@@ -175,6 +175,7 @@ def attempt_records(delivery: Delivery, results: Iterable[AttemptResult]) -> lis
                 result.duration,
                 result.next_attempt_at if result.outcome == Outcome.DEFERRED else None,
                 result.category,
+                result.dkim,
             ),
         )
         for result in results
@@ -182,13 +183,20 @@ def attempt_records(delivery: Delivery, results: Iterable[AttemptResult]) -> lis
 
 
 def _attempt_extra(
-    port: int | None, duration: float, next_attempt_at: datetime | None, category: str | None
+    port: int | None,
+    duration: float,
+    next_attempt_at: datetime | None,
+    category: str | None,
+    dkim: str | None,
 ) -> dict[str, Any]:
+    """`dkim`: "signed d=DOMAIN s=SELECTOR" or "unsigned: REASON" for an attempt that sent the
+    message (signer.py), left out otherwise."""
     return {
         "port": port,
         "duration": round(duration, 6),
         "next_attempt_at": next_attempt_at,
         "category": category,
+        "dkim": dkim,
     }
 
 
@@ -245,6 +253,7 @@ def _stored_attempt_record(story: MessageStory, a: AttemptRecord, address: str) 
                 a.duration,
                 a.next_attempt_at if a.outcome == Outcome.DEFERRED else None,
                 a.category,
+                a.dkim,
             ),
             # What the failure caused, known once its transaction committed: only in records
             # rebuilt from the database (`pigeon-mta log`).

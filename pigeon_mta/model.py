@@ -139,6 +139,16 @@ class Delivery:
 
 
 @dataclass(frozen=True)
+class Signed:
+    """What the sign stage hands on: the bytes to send, and what DKIM made of them."""
+
+    body: bytes
+    # "signed d=DOMAIN s=SELECTOR" (one d=/s= pair per signature) or "unsigned: REASON"; None when
+    # no signer ran. Kept with each attempt so that `pigeon-mta log` says why mail left unsigned.
+    dkim: str | None = None
+
+
+@dataclass(frozen=True)
 class AttemptResult:
     """What happened to one recipient in one attempt; the engine records a batch of these."""
 
@@ -158,4 +168,5 @@ class AttemptResult:
     tls_cipher: str | None = None
     category: str | None = None  # bounce classification category
     rule: str | None = None  # the classification rule that matched
+    dkim: str | None = None  # Signed.dkim of the message this attempt sent
     extra: dict[str, str] = field(default_factory=dict)

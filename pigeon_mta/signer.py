@@ -3,7 +3,13 @@
 `DkimSigner` is the engine's `sign` callable. It signs with the keys that are active when the
 delivery is signed (right after the claim, so queued mail picks up a rotation), read from the
 database and cached for a few seconds per (org, domain). It never drops or holds a message for a
-content problem: a message it cannot or need not sign goes out unsigned and is counted.
+content problem: a message it cannot or need not sign goes out unsigned and is counted. Either
+way it says what it did (`Signed.dkim`), which the engine keeps with the attempt: "signed d=DOMAIN
+s=SELECTOR", or "unsigned: " and the reason.
+
+Each org's keys sign only that org's mail. Mail from trusted networks belongs to
+`relay.trusted_org`; with `relay.sign_with_owner_key` that org's mail for a domain of another org
+is signed with the owner's keys (the signer is then those domains' smarthost).
 
 Signatures are made on the event loop, one per loop iteration: an RSA-2048 signature costs about
 0.4 ms of CPU, so a claimed batch of a hundred signed in one go would stall every other connection
@@ -25,11 +31,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pigeon_mta import dkim
+from pigeon_mta.config import Settings
 from pigeon_mta.domains import domain_spellings
 from pigeon_mta.header_bounds import FieldBounds
 from pigeon_mta.metrics import DKIM_SIGNATURES, DKIM_UNSIGNED
-from pigeon_mta.model import Delivery
+from pigeon_mta.model import Delivery, Signed
 from pigeon_mta.store import dkim_keys as store_dkim_keys
+from pigeon_mta.store import orgs as store_orgs
+from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.store.queue import Executor
 
 log = logging.getLogger(__name__)
@@ -38,6 +47,11 @@ log = logging.getLogger(__name__)
 UNSIGNED_NO_FROM = "no_from_domain"  # no single From: field with one domain
 UNSIGNED_NO_KEY = "no_key"  # the org has no active key for the From: domain
 UNSIGNED_MALFORMED = "malformed"  # the header section or its From: cannot be parsed for signing
+# What `pigeon-mta log` says after "unsigned: " (no_key names the domain and org instead).
+_UNSIGNED_TEXT = {
+    UNSIGNED_NO_FROM: "no usable From: domain",
+    UNSIGNED_MALFORMED: "malformed header section",
+}
 
 _DEFAULT_BOUNDS = FieldBounds()
 
@@ -57,7 +71,8 @@ class _CachedKeys:
 
 
 class DkimSigner:
-    """`await signer(delivery)` -> the message bytes to send, signed when a key applies."""
+    """`await signer(delivery)` -> the message bytes to send, signed when a key applies, and
+    how they were signed or why not."""
 
     # Past this many cached (org, domain) pairs the cache is emptied: cheap, and bounds memory
     # when mail comes from many From: domains that have no keys.
@@ -67,17 +82,22 @@ class DkimSigner:
         self,
         db: Executor,
         *,
+        owner_key_org: str | None = None,
         cache_ttl: float = 5.0,
         stale_ttl: float = 600.0,
         clock: Callable[[], float] = time.time,  # for t=; tests pass a fixed one
         from_bounds: FieldBounds = _DEFAULT_BOUNDS,
     ) -> None:
-        """`db`: a pool. `cache_ttl`: how long a key lookup is reused (how soon a rotation takes
-        effect). `stale_ttl`: how long cached keys keep serving while the database is
-        unreachable. `from_bounds`: how much of a From: field is parsed (the limits reception
-        applies); a message beyond them goes unsigned."""
+        """`db`: a pool. `owner_key_org`: the org whose mail is signed with the keys of the org
+        that owns its From: domain (see `from_settings`). `cache_ttl`: how long a key lookup is
+        reused (how soon a rotation takes effect). `stale_ttl`: how long cached keys keep serving
+        while the database is unreachable. `from_bounds`: how much of a From: field is parsed (the
+        limits reception applies); a message beyond them goes unsigned."""
         self._from_bounds = from_bounds
         self._db = db
+        self._owner_key_org = owner_key_org
+        # Org names, for the owner-key rule and the no-key reason; an org is never renamed.
+        self._org_names: dict[uuid.UUID, str] = {}
         self._cache_ttl = cache_ttl
         self._stale_ttl = stale_ttl
         self._clock = clock
@@ -87,7 +107,18 @@ class DkimSigner:
         # Signatures waiting for their loop iteration, in arrival order (see the top).
         self._waiting: collections.deque[_SignJob] = collections.deque()
 
-    async def __call__(self, delivery: Delivery) -> bytes:
+    @classmethod
+    def from_settings(cls, db: Executor, settings: Settings) -> DkimSigner:
+        relay = settings.relay
+        return cls(
+            db,
+            owner_key_org=relay.trusted_org if relay.sign_with_owner_key else None,
+            from_bounds=FieldBounds(
+                settings.limits.max_from_addresses, settings.limits.max_from_length
+            ),
+        )
+
+    async def __call__(self, delivery: Delivery) -> Signed:
         message = delivery.body
         try:
             domain = dkim.from_domain(message, self._from_bounds)
@@ -98,7 +129,7 @@ class DkimSigner:
             return _unsigned(message, UNSIGNED_NO_FROM)
         keys = await self.keys_for(delivery.org_id, domain)
         if not keys:
-            return _unsigned(message, UNSIGNED_NO_KEY)
+            return _unsigned(message, UNSIGNED_NO_KEY, await self._no_key(delivery.org_id, domain))
         try:
             fields = await self._sign_in_turn(message, keys)
         except dkim.SigningError as exc:
@@ -106,7 +137,26 @@ class DkimSigner:
             return _unsigned(message, UNSIGNED_MALFORMED)
         for key in keys:
             DKIM_SIGNATURES.labels(algorithm=key.algorithm).inc()
-        return fields + message
+        return Signed(
+            fields + message, "signed " + ", ".join(f"d={k.domain} s={k.selector}" for k in keys)
+        )
+
+    async def _no_key(self, org_id: uuid.UUID, domain: str) -> str:
+        """Why no key applied, naming the org whose keys were looked at."""
+        try:
+            org = await self._org_name(org_id)
+        except DB_ERRORS:  # the keys came from the cache; the name is only for the reason
+            org = str(org_id)
+        if org == self._owner_key_org:
+            return f"no key for {domain} in org {org} nor in the org that owns it"
+        return f"no key for {domain} in org {org}"
+
+    async def _org_name(self, org_id: uuid.UUID) -> str:
+        name = self._org_names.get(org_id)
+        if name is None:
+            name = await store_orgs.org_name(self._db, org_id) or str(org_id)
+            self._org_names[org_id] = name
+        return name
 
     def _sign_in_turn(
         self, message: bytes, keys: tuple[dkim.SigningKey, ...]
@@ -138,7 +188,8 @@ class DkimSigner:
             job.result.set_result(fields)
 
     async def keys_for(self, org_id: uuid.UUID, domain: str) -> tuple[dkim.SigningKey, ...]:
-        """The org's active keys for `domain`, from the cache when fresh enough."""
+        """The active keys that sign the org's mail from `domain` (its own; the owner's for
+        `owner_key_org`), from the cache when fresh enough."""
         cache_key = (org_id, domain)
         now = time.monotonic()
         cached = self._cache.get(cache_key)
@@ -172,7 +223,10 @@ class DkimSigner:
             names = domain_spellings(domain)
         except ValueError:  # not a valid domain name: no sender domain can be spelled like it
             names = [domain]
-        rows = await store_dkim_keys.active_signing_keys(self._db, org_id, names)
+        if self._owner_key_org is not None and await self._org_name(org_id) == self._owner_key_org:
+            rows = await store_dkim_keys.owner_signing_keys(self._db, names)
+        else:
+            rows = await store_dkim_keys.active_signing_keys(self._db, org_id, names)
         new_rows = [row for row in rows if row.id not in self._loaded]
         if new_rows:
             # OpenSSL checks an RSA key as it loads it: ~50 ms for 2048 bits, ~350 ms for 4096.
@@ -219,6 +273,7 @@ class _SignJob:
     result: asyncio.Future[bytes]
 
 
-def _unsigned(message: bytes, reason: str) -> bytes:
+def _unsigned(message: bytes, reason: str, text: str | None = None) -> Signed:
+    """`message` as it is, counted by `reason` and explained by `text` (else the reason's own)."""
     DKIM_UNSIGNED.labels(reason=reason).inc()
-    return message
+    return Signed(message, f"unsigned: {text or _UNSIGNED_TEXT[reason]}")

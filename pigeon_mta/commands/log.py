@@ -96,7 +96,8 @@ def _reception(story: MessageStory) -> str:
     return ", ".join(parts)
 
 
-_COLUMNS = ["time", "event", "recipient", "attempt", "mx", "ip", "tls", "reply"]
+# `dkim`: how the message an attempt sent was signed, or why it went unsigned (signer.py).
+_COLUMNS = ["time", "event", "recipient", "attempt", "mx", "ip", "tls", "dkim", "reply"]
 
 
 def _timeline(story: MessageStory) -> list[dict[str, Any]]:
@@ -133,6 +134,7 @@ def _attempt_row(story: MessageStory, a: AttemptRecord, address: str) -> dict[st
         "mx": f"{a.mx_host}:{a.port}" if a.mx_host and a.port else a.mx_host,
         "ip": a.ip,
         "tls": a.tls_version,
+        "dkim": a.dkim,
         "reply": reply.replace("\r", "").replace("\n", " / ") or None,
     }
 

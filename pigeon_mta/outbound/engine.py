@@ -32,7 +32,7 @@ from pigeon_mta.bounce_classify import classify_reply
 from pigeon_mta.config import Settings, TlsPolicy
 from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.metrics import ACCEPT_TO_DELIVERY_SECONDS, DELIVERIES, DELIVERY_ATTEMPT_SECONDS
-from pigeon_mta.model import AttemptResult, ClaimedRecipient, Delivery, Outcome, Reply
+from pigeon_mta.model import AttemptResult, ClaimedRecipient, Delivery, Outcome, Reply, Signed
 from pigeon_mta.outbound.attempt import (
     Peer,
     RecipientResult,
@@ -54,7 +54,7 @@ from pigeon_mta.store.notify import Connector, QueueWaker
 
 log = logging.getLogger(__name__)
 
-Signer = Callable[[Delivery], Awaitable[bytes]]
+Signer = Callable[[Delivery], Awaitable[Signed]]
 
 
 # Results recorded in one statement at most; a busy engine records in batches of up to this.
@@ -63,9 +63,9 @@ RECORD_BATCH = 1000
 STOP_RESERVE = 2.0
 
 
-async def unsigned(delivery: Delivery) -> bytes:
+async def unsigned(delivery: Delivery) -> Signed:
     """The default sign step: the body as queued (the DKIM signer replaces it)."""
-    return delivery.body
+    return Signed(delivery.body)
 
 
 @dataclass
@@ -411,20 +411,22 @@ class DeliveryEngine:
         if task is not None:
             self._not_started.discard(task)
         try:
+            signed = await self.sign(delivery)
             tx = await self._transaction(
-                delivery, route, policy.tls, policy.max_messages_per_connection
+                delivery, signed.body, route, policy.tls, policy.max_messages_per_connection
             )
         finally:
             self.gates.leave(entered)
         DELIVERY_ATTEMPT_SECONDS.observe(tx.duration)
         # Started so that start + duration is when the final reply came (attempt.py).
         tx_started_at = tx.finished_at - timedelta(seconds=tx.duration)
-        return self._judge(delivery, list(tx.results), tx.peer, tx.duration, tx_started_at)
+        return self._judge(
+            delivery, list(tx.results), tx.peer, tx.duration, tx_started_at, dkim=signed.dkim
+        )
 
     async def _transaction(
-        self, delivery: Delivery, route: Route, tls: TlsPolicy, max_messages: int
+        self, delivery: Delivery, body: bytes, route: Route, tls: TlsPolicy, max_messages: int
     ) -> TransactionResult:
-        body = await self.sign(delivery)
         message = wire_message(body)
         started = asyncio.get_running_loop().time()
         for _ in range(2):
@@ -484,8 +486,11 @@ class DeliveryEngine:
         peer: Peer,
         duration: float,
         started_at: datetime,
+        *,
+        dkim: str | None = None,
     ) -> list[AttemptResult]:
-        """Each recipient's result -> an AttemptResult: outcome, next try, or expiry."""
+        """Each recipient's result -> an AttemptResult: outcome, next try, or expiry. `dkim` says
+        how the message that was sent was signed (None when it was not sent)."""
         settings = self.delivery
         now = datetime.now(UTC)
         max_age = timedelta(seconds=settings.max_age)
@@ -527,6 +532,7 @@ class DeliveryEngine:
                     tls_cipher=peer.tls_cipher,
                     category=category,
                     rule=rule,
+                    dkim=dkim,
                 )
             )
         return out

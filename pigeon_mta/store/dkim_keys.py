@@ -218,3 +218,20 @@ async def active_signing_keys(
         list(domain_names),
     )
     return [ActiveSigningKey(**dict(r)) for r in rows]
+
+
+async def owner_signing_keys(db: Executor, domain_names: Sequence[str]) -> list[ActiveSigningKey]:
+    """The active keys of whichever org owns the domain spelled as any of `domain_names`, RSA
+    first: what `relay.sign_with_owner_key` signs trusted-network mail with.
+
+    Across orgs on purpose (a domain belongs to exactly one org, and its keys are that org's);
+    the signer asks this only for mail of `relay.trusted_org` with the setting on.
+    """
+    rows = await db.fetch(
+        """SELECT k.id, d.domain, k.selector, k.algorithm, k.private_key
+           FROM dkim_key k JOIN sender_domain d ON d.id = k.domain_id
+           WHERE k.org_id = d.org_id AND d.domain = ANY($1::text[]) AND k.active
+           ORDER BY k.algorithm DESC, k.created_at""",
+        list(domain_names),
+    )
+    return [ActiveSigningKey(**dict(r)) for r in rows]

@@ -70,6 +70,7 @@ class AttemptRecord:
     category: str | None
     next_attempt_at: datetime | None
     applied: bool
+    dkim: str | None = None  # how the message sent was signed, or why not (signer.py)
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ ORDER BY message_id, address
 _ATTEMPTS = """
 SELECT id, recipient_id, message_id, attempt, started_at, duration_ms, mx_host, ip, port,
        tls_version, tls_cipher, code, enhanced_code, response, outcome, category,
-       next_attempt_at, applied
+       next_attempt_at, applied, dkim
 FROM attempt
 WHERE recipient_id IN (SELECT id FROM recipient WHERE message_id = ANY ($1::uuid[]))
 ORDER BY started_at, attempt, recorded_at, id
@@ -204,6 +205,7 @@ def _attempt(row: asyncpg.Record) -> AttemptRecord:
         category=row["category"],
         next_attempt_at=row["next_attempt_at"],
         applied=row["applied"],
+        dkim=row["dkim"],
     )
 
 
@@ -292,7 +294,7 @@ async def consequences(
 _EXPIRED = """
 SELECT id, recipient_id, message_id, attempt, started_at, duration_ms, mx_host, ip, port,
        tls_version, tls_cipher, code, enhanced_code, response, outcome, category,
-       next_attempt_at, applied
+       next_attempt_at, applied, dkim
 FROM attempt WHERE recipient_id = ANY ($1::uuid[]) AND outcome = 'expired'
 ORDER BY started_at, id
 """

@@ -50,6 +50,11 @@ async def find_org(db: Executor, name: str) -> Org | None:
     return Org(row["id"], row["name"], row["created_at"]) if row else None
 
 
+async def org_name(db: Executor, org_id: uuid.UUID) -> str | None:
+    name = await db.fetchval("SELECT name FROM org WHERE id = $1", org_id)
+    return name if isinstance(name, str) else None
+
+
 async def list_orgs(db: Executor) -> list[Org]:
     rows = await db.fetch("SELECT id, name, created_at FROM org ORDER BY name")
     return [Org(r["id"], r["name"], r["created_at"]) for r in rows]

@@ -270,11 +270,11 @@ WITH v AS (
     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::int[], $6::text[],
                          $7::timestamptz[], $8::float8[], $9::timestamptz[], $10::text[],
                          $11::text[], $12::int[], $13::text[], $14::text[], $15::int[],
-                         $16::text[], $17::text[], $18::text[], $19::text[])
+                         $16::text[], $17::text[], $18::text[], $19::text[], $20::text[])
         AS v (attempt_id, recipient_id, message_id, org_id, attempt, outcome,
               started_at, duration, next_attempt_at, mx_host,
               ip, port, tls_version, tls_cipher, code,
-              enhanced_code, response, category, rule)
+              enhanced_code, response, category, rule, dkim)
 ), u AS (
     UPDATE recipient r
     SET status = CASE v.outcome WHEN 'deferred' THEN 'queued' ELSE v.outcome END,
@@ -291,11 +291,11 @@ WITH v AS (
 ), a AS (
     INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, duration_ms,
                          mx_host, ip, port, tls_version, tls_cipher, code, enhanced_code, response,
-                         outcome, category, rule, next_attempt_at, applied)
+                         outcome, category, rule, next_attempt_at, applied, dkim)
     SELECT v.attempt_id, v.recipient_id, v.message_id, v.org_id, v.attempt, v.started_at,
            v.duration * 1000, v.mx_host, v.ip, v.port, v.tls_version, v.tls_cipher, v.code,
            v.enhanced_code, v.response, v.outcome, v.category, v.rule, v.next_attempt_at,
-           u.id IS NOT NULL
+           u.id IS NOT NULL, v.dkim
     -- By claim, not by row: a stale outcome of a recipient that a newer claim in the same batch
     -- moved is still not applied.
     FROM v LEFT JOIN u ON u.id = v.recipient_id AND u.attempts = v.attempt
@@ -346,6 +346,7 @@ def _record_arguments(results: Sequence[AttemptResult]) -> list[Sequence[object]
         [storable_text(r.reply.text) for r in results],
         [storable_text(r.category) for r in results],
         [storable_text(r.rule) for r in results],
+        [storable_text(r.dkim) for r in results],
     ]
 
 

@@ -48,7 +48,7 @@ async def test_signs_with_the_orgs_active_key_and_verifies(
     _key, record = await add_key(pool, domain, "s1")
     before = _count("pigeon_dkim_signatures_total", algorithm="rsa")
 
-    signed = await signer(delivery(domain.org_id, MESSAGE))
+    signed = (await signer(delivery(domain.org_id, MESSAGE))).body
 
     assert signed.endswith(MESSAGE) and signed.startswith(b"DKIM-Signature:")
     assert b" t=%d;" % T in signed.replace(b"\r\n ", b" ")
@@ -66,7 +66,7 @@ async def test_rsa_and_ed25519_keys_give_two_signatures(
     _k2, ed_record = await add_key(pool, domain, "e1", "ed25519")
     before = _count("pigeon_dkim_signatures_total", algorithm="ed25519")
 
-    signed = await signer(delivery(domain.org_id, MESSAGE))
+    signed = (await signer(delivery(domain.org_id, MESSAGE))).body
 
     assert _selectors(signed) == ["r1", "e1"]  # RSA on top, for verifiers that read only one
     assert _count("pigeon_dkim_signatures_total", algorithm="ed25519") == before + 1
@@ -79,7 +79,7 @@ async def test_no_key_means_unsigned_and_counted(pool: asyncpg.Pool, signer: Dki
     domain = await add_sender_domain(pool, "acme", "example.com")
     before = _count("pigeon_dkim_unsigned_total", reason="no_key")
 
-    assert await signer(delivery(domain.org_id, MESSAGE)) == MESSAGE
+    assert (await signer(delivery(domain.org_id, MESSAGE))).body == MESSAGE
 
     assert _count("pigeon_dkim_unsigned_total", reason="no_key") == before + 1
 
@@ -89,7 +89,7 @@ async def test_another_orgs_domain_is_not_signed(pool: asyncpg.Pool, signer: Dki
     await add_key(pool, theirs, "s1")
     ours = await add_sender_domain(pool, "acme", "acme.example")
 
-    assert await signer(delivery(ours.org_id, MESSAGE)) == MESSAGE
+    assert (await signer(delivery(ours.org_id, MESSAGE))).body == MESSAGE
 
 
 @pytest.mark.parametrize(
@@ -125,7 +125,7 @@ async def test_messages_it_cannot_sign_go_out_unsigned_and_are_counted(
     await add_key(pool, domain, "s1")
     before = _count("pigeon_dkim_unsigned_total", reason=reason)
     for body in bodies:
-        assert await signer(delivery(domain.org_id, body)) == body
+        assert (await signer(delivery(domain.org_id, body))).body == body
     assert _count("pigeon_dkim_unsigned_total", reason=reason) == before + len(bodies)
 
 
@@ -136,16 +136,16 @@ async def test_a_from_domain_that_is_no_valid_idn_is_looked_up_as_it_is(
     await add_key(pool, domain, "s1")
     # A label over 63 characters: looked up as it is, found nowhere.
     body = ("From: a@" + "ü" * 64 + ".example\r\n\r\nx\r\n").encode()
-    assert await signer(delivery(domain.org_id, body)) == body
+    assert (await signer(delivery(domain.org_id, body))).body == body
 
 
 async def test_a_damaged_stored_key_is_skipped(pool: asyncpg.Pool, signer: DkimSigner) -> None:
     domain = await add_sender_domain(pool, "acme", "example.com")
     damaged, _record = await add_key(pool, domain, "r1", "rsa")
     await pool.execute("UPDATE dkim_key SET private_key = 'not a key' WHERE id = $1", damaged.id)
-    assert await signer(delivery(domain.org_id, MESSAGE)) == MESSAGE
+    assert (await signer(delivery(domain.org_id, MESSAGE))).body == MESSAGE
     await add_key(pool, domain, "e1", "ed25519")
-    assert _selectors(await signer(delivery(domain.org_id, MESSAGE))) == ["e1"]
+    assert _selectors((await signer(delivery(domain.org_id, MESSAGE))).body) == ["e1"]
 
 
 async def test_rotation_signs_queued_mail_with_the_key_active_at_send_time(
@@ -154,19 +154,19 @@ async def test_rotation_signs_queued_mail_with_the_key_active_at_send_time(
     domain = await add_sender_domain(pool, "acme", "example.com")
     await add_key(pool, domain, "old")
     queued = delivery(domain.org_id, MESSAGE)  # claimed later, after the rotation
-    assert _selectors(await signer(queued)) == ["old"]
+    assert _selectors((await signer(queued)).body) == ["old"]
 
     new, _record = await add_key(pool, domain, "new")
     assert not new.active  # waits for its DNS record
-    assert _selectors(await signer(queued)) == ["old"]
+    assert _selectors((await signer(queued)).body) == ["old"]
 
     async with pool.acquire() as conn:
         result = await store_dkim_keys.activate_key(conn, domain.id, "new")
     assert result is not None and result[1] == ["old"]
-    assert _selectors(await signer(queued)) == ["new"]
+    assert _selectors((await signer(queued)).body) == ["new"]
 
     await store_dkim_keys.deactivate_key(pool, domain.id, "new")
-    assert await signer(queued) == MESSAGE
+    assert (await signer(queued)).body == MESSAGE
 
 
 async def test_lookups_are_cached_for_the_ttl(pool: asyncpg.Pool) -> None:
@@ -174,10 +174,10 @@ async def test_lookups_are_cached_for_the_ttl(pool: asyncpg.Pool) -> None:
     await add_key(pool, domain, "s1")
     signer = DkimSigner(pool, cache_ttl=3600)
     try:
-        assert _selectors(await signer(delivery(domain.org_id, MESSAGE))) == ["s1"]
+        assert _selectors((await signer(delivery(domain.org_id, MESSAGE))).body) == ["s1"]
         await store_dkim_keys.deactivate_key(pool, domain.id, "s1")
         # Within the TTL the cached key still signs; `cache_ttl` bounds how long.
-        assert _selectors(await signer(delivery(domain.org_id, MESSAGE))) == ["s1"]
+        assert _selectors((await signer(delivery(domain.org_id, MESSAGE))).body) == ["s1"]
     finally:
         signer.close()
 
@@ -191,10 +191,10 @@ async def test_database_outage_uses_cached_keys_else_raises(db_url: str) -> None
     await add_key(pool, other, "s1")
     signer = DkimSigner(pool, cache_ttl=0)
     try:
-        assert _selectors(await signer(delivery(domain.org_id, MESSAGE))) == ["s1"]
+        assert _selectors((await signer(delivery(domain.org_id, MESSAGE))).body) == ["s1"]
         await pool.close()
         # Cached keys keep signing through the outage (up to stale_ttl) ...
-        assert _selectors(await signer(delivery(domain.org_id, MESSAGE))) == ["s1"]
+        assert _selectors((await signer(delivery(domain.org_id, MESSAGE))).body) == ["s1"]
         # ... and a domain never looked up is not sent unsigned: the engine retries it later.
         other_message = MESSAGE.replace(b"alice@example.com", b"alice@other.example")
         with pytest.raises(KeysUnavailable):
@@ -228,7 +228,7 @@ async def test_concurrent_deliveries_are_signed_one_per_loop_iteration(pool: asy
         start = ticks
         signed = await asyncio.gather(*(signer(job) for _ in range(20)))
         assert ticks - start >= 20  # the loop turned at least once per signature
-        assert signed == [dkim.sign(job.body, keys, timestamp=T) + job.body] * 20
+        assert [s.body for s in signed] == [dkim.sign(job.body, keys, timestamp=T) + job.body] * 20
     finally:
         stop.set()
         await ticking

@@ -14,7 +14,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from pigeon_mta.model import Delivery
+from pigeon_mta.model import Delivery, Signed
 from pigeon_mta.outbound.classify import LOCAL_FAILURE_LIMIT
 from pigeon_mta.signer import DkimSigner
 from tests.integration.dkim_helpers import add_key, add_sender_domain
@@ -24,12 +24,12 @@ from tests.peers.world import mail_world
 POISON = b"X-Test: the sign step cannot process this message\r\n" + BODY
 
 
-async def sign_with_a_bug(delivery: Delivery) -> bytes:
+async def sign_with_a_bug(delivery: Delivery) -> Signed:
     """A sign step that fails the same way on every attempt for one message, as the DKIM
     signer's From: parser did on nested comments (RecursionError): a bug, not a passing fault."""
     if delivery.body.startswith(b"X-Test: the sign step cannot"):
         raise ValueError("cannot process this message")
-    return delivery.body
+    return Signed(delivery.body)
 
 
 async def test_a_local_failure_that_recurs_on_every_attempt_bounces(

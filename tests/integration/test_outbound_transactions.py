@@ -15,7 +15,7 @@ import asyncpg
 import pytest
 from prometheus_client import REGISTRY
 
-from pigeon_mta.model import Delivery
+from pigeon_mta.model import Delivery, Signed
 from pigeon_mta.outbound.classify import backoff_window
 from tests.integration.outbound_helpers import (
     attempts,
@@ -176,8 +176,8 @@ async def test_a_deferral_whose_next_try_would_pass_max_age_expires_instead(
 async def test_the_sign_step_decides_the_bytes_that_are_sent(
     world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
 ) -> None:
-    async def sign(delivery: Delivery) -> bytes:
-        return b"DKIM-Signature: v=1; test\r\n" + delivery.body
+    async def sign(delivery: Delivery) -> Signed:
+        return Signed(b"DKIM-Signature: v=1; test\r\n" + delivery.body, "signed d=test s=test")
 
     async with running_engine(world.settings(db_url), pool, db_url, sign=sign):
         qid = await send(pool, org_id, "bob@order.test")
