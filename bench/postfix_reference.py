@@ -1,13 +1,13 @@
-"""The reference point of issue 9, measured on this host: Postfix relaying the e2e load to a sink.
+"""The reference point of the end-to-end targets, measured on this host: Postfix relaying the e2e load.
 
     smtp-source (20 sessions, 5 KB) --SMTP--> a private Postfix instance (its own config, seen as
         /etc/postfix in a mount namespace, and queue directory, both temporary; 127.0.0.1 only) --SMTP (relayhost)--> smtp-sink
 
-The issue's targets are multiples of Postfix's figure on "this machine kind" (about 670 msgs/s
-end to end without DKIM); hosts of the kind differ by a factor of three (bench/README.md), so a
-figure of pigeon-mta means something only beside Postfix's on the same host in the same sitting.
-Postfix runs with its stock settings except for what relaying here needs (relayhost, mynetworks,
-no TLS, no chroot, its own queue directory); its queue files are fsynced as always. Reported: the
+The end-to-end targets are multiples of Postfix's figure on "this machine kind" (about 670 msgs/s
+end to end without DKIM); hosts of the kind differ by a factor of three (bench/README.md "Hosts"),
+so a figure of pigeon-mta means something only beside Postfix's on the same host, in interleaved
+runs. Postfix runs with its stock settings except for what relaying here needs (relayhost,
+mynetworks, no TLS, no chroot, its own queue directory); its queue files are fsynced as always. Reported: the
 accept rate (until smtp-source finished) and the end-to-end rate (until the queue was empty),
 and CPU per component. Needs postfix (`apt-get install postfix`) and root (Postfix starts as root
 and drops to its mail_owner). Bounded: --messages, and --timeout for the whole run. The instance
@@ -132,7 +132,7 @@ def main() -> None:
         "--dkim",
         choices=["rsa", "none"],
         default="none",
-        help="rsa: sign with OpenDKIM as a milter (RSA-2048), the reference of issue 9's DKIM target",
+        help="rsa: sign with OpenDKIM as a milter (RSA-2048), the DKIM target's reference",
     )
     parser.add_argument("--keep", action="store_true", help="keep the instance's directory")
     parser.add_argument(

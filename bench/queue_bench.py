@@ -232,7 +232,7 @@ def claim_record_rate_processes(
     """claim_record in `processes` processes at once (as `serve --processes N` runs its engines),
     all starting once every one has connected: one Python process driving every connection
     measures that process's event loop and its hand-offs, not PostgreSQL (4 connections in one
-    process: 9,678/s; in 2 processes with 2 each: 10,822/s, same sitting). The rate is all the
+    process: 9,678/s; in 2 processes with 2 each: 10,822/s, on one host, interleaved). The rate is all the
     recipients over the span from the first start to the last end."""
     context = multiprocessing.get_context("spawn")
     out = context.Queue()

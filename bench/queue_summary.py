@@ -10,7 +10,7 @@ four fifths of it deferred across 200 destinations), vacuums it as autovacuum wo
 - the summary query itself (`store.admin_queue.queue_summary`), --runs times;
 - the whole command (`python -m pigeon_mta queue`), a few times, process start included.
 
-The database is dropped at the end (--keep leaves it). Target (issue 6): within 50 ms.
+The database is dropped at the end (--keep leaves it). Target: within 50 ms.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ of the process for 40 ms, while one at a time, between the loop's I/O turns, hol
 one signature at most (bench/dkim_bench.py part 2: timer lateness max 2.7 ms, against 16-19 ms on a
 thread pool, whose threads contend with the loop for the GIL). Threads bought no throughput
 either: the service runs one worker process per core, so the cores are busy already (end to end,
-bench/e2e.py: 830 msgs/s on pools of two threads, 826-850 signing in turn; bench/README.md).
+bench/e2e.py: 830 msgs/s on pools of two threads, 826-850 signing in turn; bench/README.md "DKIM
+signing").
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def parse_reply(code: int, message: str) -> Reply:
 
 
 def classify(result: Reply | BaseException, stage: Stage) -> Verdict:
-    """The one place where replies and errors become outcomes (DESIGN.md "Delivery rules")."""
+    """The one place where replies and errors become outcomes (README.md "Delivery", Outcomes)."""
     if isinstance(result, BaseException):
         return _classify_error(result, stage)
     reply = result

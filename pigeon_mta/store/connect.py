@@ -75,7 +75,7 @@ def server_settings(settings: Settings, *, generic_plans: bool = False) -> dict[
         # messages and gave 797-840 msgs/s; planned each time, 9.9 s and 890 msgs/s (planning
         # these statements costs far less than one bad scan). But planning an enqueue again for
         # each message cost a third of the one-connection enqueue rate (1,220-1,250 msgs/s against
-        # 1,720-1,850, bench/README.md "Fourth sitting"), and its plan is the same at any size.
+        # 1,720-1,850, bench/README.md "Queue"), and its plan is the same at any size.
         "plan_cache_mode": "auto" if generic_plans else "force_custom_plan",
     }
 

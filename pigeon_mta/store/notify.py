@@ -126,10 +126,10 @@ class NotifySender:
     and nodes, which matter when this engine is full or delivery is off here. So with
     `local_takes` (the engine's answer to "can you take this many more recipients now?") a poke
     the local engine takes sends nothing: at moderate load each NOTIFY woke the other processes
-    to claim what this engine, woken at once, had mostly taken already (bench/README.md). Without
-    a floor, a NOTIFY takes well under a millisecond, so under load nearly every commit sent one:
-    a statement per message, and every listener woken as often. One per 20 ms costs the others
-    at most that much delay (bench/e2e.py with RSA DKIM: 971 -> 1,040 msgs/s)."""
+    to claim what this engine, woken at once, had mostly taken already (bench/README.md "End to
+    end"). Without a floor, a NOTIFY takes well under a millisecond, so under load nearly every
+    commit sent one: a statement per message, and every listener woken as often. One per 20 ms
+    costs the others at most that much delay (bench/e2e.py with RSA DKIM: 971 -> 1,040 msgs/s)."""
 
     def __init__(
         self,

@@ -44,8 +44,7 @@ def recipient_domain(address: str) -> str:
 # Messages, each with all its recipients, in one statement, so in one commit: all of them or none.
 # (Data-modifying CTEs run whether or not the final SELECT reads them.) A lone message, the common
 # case (group commits form only when commits are already busy), has a statement of its own with
-# plain parameters: the array form costs it 10-25% of the enqueue rate (bench/README.md, "Fourth
-# sitting").
+# plain parameters: the array form costs it 10-25% of the enqueue rate (bench/README.md, "Queue").
 _ENQUEUE_ONE_TEMPLATE = """
 WITH m AS (
     INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,

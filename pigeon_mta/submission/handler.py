@@ -38,8 +38,8 @@ from pigeon_mta.submission.reception import Reception, record_reception
 
 log = logging.getLogger("pigeon_mta.submission")
 
-# InternalClientError: asyncpg's protocol state broke, as when the server killed the backend
-# while a statement was being sent; the connection is dropped and a new one made.
+# The null reverse-path, MAIL FROM:<> (RFC 5321 section 4.5.5), as `split_path` gives it and as the
+# envelope carries it from MAIL to the commit.
 NULL_SENDER_MARK = "<>"  # aiosmtpd needs a true value for "MAIL was given"; "" is stored
 
 _ADDRESS_REPLIES = {

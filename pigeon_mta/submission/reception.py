@@ -1,4 +1,8 @@
-"""The one place a queued message is reported: log line and metrics (the delivery log hooks in here)."""
+"""A queued message's `Reception` and its report: the "queued" log line and the accepted counter.
+
+The handler builds the Reception once the commit has succeeded and, before the 250, writes the
+delivery log's reception records beside this report (`SubmissionHandler._announce`).
+"""
 
 from __future__ import annotations
 
