@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from typing import Literal
 
 from pigeon_mta.ids import new_id
+from pigeon_mta.message import split_at_blank_line
 from pigeon_mta.model import Envelope, Reply
 
 # The listener name recorded on DSNs, which no client submitted.
@@ -57,13 +58,9 @@ class RecipientReport:
 
 
 def header_section(body: bytes, limit: int = MAX_ORIGINAL_HEADER_BYTES) -> bytes:
-    """The header section of a raw message: everything before the first empty line."""
-    end = len(body)
-    for separator in (b"\r\n\r\n", b"\n\n"):
-        at = body.find(separator)
-        if 0 <= at < end:
-            end = at
-    headers = body[:end]
+    """The header section of a raw message (everything before the first empty line), at most
+    `limit` bytes of it."""
+    headers, _body = split_at_blank_line(body)
     if len(headers) > limit:
         # Cut at a line end so that no header is left half-written.
         headers = headers[: headers.rfind(b"\n", 0, limit) + 1 or limit]

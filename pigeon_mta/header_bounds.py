@@ -5,8 +5,8 @@ strict one (email.headerregistry) takes time quadratic in the length of one addr
 name of 8,000 characters of "x.x.x" takes most of a second), both recurse once per nested comment
 (20,000 nested comments raise RecursionError), and a From: of 50,000 addresses held a worker's
 event loop for 14 s. So a field is first measured here, in one linear pass that parses nothing, and
-cut into its addresses; a field beyond the bounds is never handed to a parser: reception refuses
-it, the DKIM signer leaves the message unsigned.
+cut into its addresses; a field beyond the bounds is never handed to a parser (message.py):
+reception refuses it, the DKIM signer leaves the message unsigned.
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 from pigeon_mta import dkim
 from pigeon_mta.config import Settings
-from pigeon_mta.domains import domain_spellings
 from pigeon_mta.header_bounds import FieldBounds
+from pigeon_mta.message import UnreadableHeader, from_domain
 from pigeon_mta.metrics import DKIM_SIGNATURES, DKIM_UNSIGNED
 from pigeon_mta.model import Delivery, Signed
 from pigeon_mta.store import dkim_keys as store_dkim_keys
@@ -122,8 +122,8 @@ class DkimSigner:
     async def __call__(self, delivery: Delivery) -> Signed:
         message = delivery.body
         try:
-            domain = dkim.from_domain(message, self._from_bounds)
-        except dkim.SigningError as exc:
+            domain = from_domain(message, self._from_bounds)
+        except UnreadableHeader as exc:
             log.info("queue id %s goes unsigned: %s", delivery.message_id, exc)
             return _unsigned(message, UNSIGNED_MALFORMED)
         if domain is None:
@@ -220,14 +220,11 @@ class DkimSigner:
             done.exception()  # the waiters have it; don't let asyncio log it again
 
     async def _fetch(self, org_id: uuid.UUID, domain: str) -> tuple[dkim.SigningKey, ...]:
-        try:
-            names = domain_spellings(domain)
-        except ValueError:  # not a valid domain name: no sender domain can be spelled like it
-            names = [domain]
+        # `domain` is spelled as sender domains are stored (pigeon_mta/domains.py).
         if self._owner_key_org is not None and await self._org_name(org_id) == self._owner_key_org:
-            rows = await store_dkim_keys.owner_signing_keys(self._db, names)
+            rows = await store_dkim_keys.owner_signing_keys(self._db, domain)
         else:
-            rows = await store_dkim_keys.active_signing_keys(self._db, org_id, names)
+            rows = await store_dkim_keys.active_signing_keys(self._db, org_id, domain)
         new_rows = [row for row in rows if row.id not in self._loaded]
         if new_rows:
             # OpenSSL checks an RSA key as it loads it: ~50 ms for 2048 bits, ~350 ms for 4096.

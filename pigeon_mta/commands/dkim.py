@@ -20,7 +20,7 @@ from pigeon_mta.commands.common import (
     print_object,
     print_rows,
 )
-from pigeon_mta.domains import domain_spellings
+from pigeon_mta.domains import ascii_domain
 from pigeon_mta.store import dkim_keys as store_dkim_keys
 from pigeon_mta.store.queue import Executor
 
@@ -106,11 +106,8 @@ async def cmd_list(args: argparse.Namespace) -> int:
     async with open_database(args) as (_settings, conn):
         keys = await store_dkim_keys.list_keys(conn)
     if args.domain:
-        try:
-            wanted = set(domain_spellings(args.domain))
-        except ValueError:
-            raise CliError(f"'{args.domain}' is not a valid domain name") from None
-        keys = [k for k in keys if k.domain in wanted]
+        wanted = _spelled_as_stored(args.domain)
+        keys = [k for k in keys if k.domain == wanted]
     rows = [_record(k) for k in keys]
     print_rows(
         args,
@@ -141,12 +138,16 @@ async def cmd_deactivate(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _sender_domain(db: Executor, name: str) -> store_dkim_keys.SenderDomain:
+def _spelled_as_stored(name: str) -> str:
+    """The domain as sender domains are stored (pigeon_mta/domains.py), or a CliError."""
     try:
-        names = domain_spellings(name)
+        return ascii_domain(name)
     except ValueError:
         raise CliError(f"'{name}' is not a valid domain name") from None
-    domain = await store_dkim_keys.find_sender_domain(db, names)
+
+
+async def _sender_domain(db: Executor, name: str) -> store_dkim_keys.SenderDomain:
+    domain = await store_dkim_keys.find_sender_domain(db, _spelled_as_stored(name))
     if domain is None:
         raise CliError(
             f"no org has added the domain {name}; add it first with: "

@@ -13,9 +13,9 @@ from pigeon_mta.commands.common import (
     print_object,
     print_rows,
 )
+from pigeon_mta.domains import normalize_domain
 from pigeon_mta.store import domains as store_domains
 from pigeon_mta.store import orgs as store_orgs
-from pigeon_mta.submission.addresses import normalize_domain
 
 
 def register(sub: Any) -> None:

@@ -7,7 +7,6 @@ admin listings never select them.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -68,8 +67,8 @@ def _key(row: asyncpg.Record) -> DkimKey:
     return DkimKey(**dict(row))
 
 
-async def find_sender_domain(db: Executor, names: Sequence[str]) -> SenderDomain | None:
-    """The sender domain (and its org) spelled as any of `names` (e.g. U-label and A-label).
+async def find_sender_domain(db: Executor, domain: str) -> SenderDomain | None:
+    """The sender domain (and its org) named `domain`, spelled as stored (domains.py).
 
     Looks across orgs on purpose: a domain belongs to exactly one org, and this is how an
     operator's command finds which.
@@ -77,8 +76,8 @@ async def find_sender_domain(db: Executor, names: Sequence[str]) -> SenderDomain
     row = await db.fetchrow(
         """SELECT d.id, d.org_id, o.name AS org_name, d.domain
            FROM sender_domain d JOIN org o ON o.id = d.org_id
-           WHERE d.domain = ANY($1::text[]) ORDER BY d.domain LIMIT 1""",
-        list(names),
+           WHERE d.domain = $1""",
+        domain,
     )
     return SenderDomain(**dict(row)) if row else None
 
@@ -203,26 +202,26 @@ async def deactivate_key(db: Executor, domain_id: uuid.UUID, selector: str) -> D
 
 
 async def active_signing_keys(
-    db: Executor, org_id: uuid.UUID, domain_names: Sequence[str]
+    db: Executor, org_id: uuid.UUID, domain: str
 ) -> list[ActiveSigningKey]:
-    """The active keys of `org_id` for the domain spelled as any of `domain_names`, RSA first.
+    """The active keys of `org_id` for `domain` (spelled as stored, domains.py), RSA first.
 
     Filtered by org: a From: domain that belongs to another org gets no signature from here.
     """
     rows = await db.fetch(
         """SELECT k.id, d.domain, k.selector, k.algorithm, k.private_key
            FROM dkim_key k JOIN sender_domain d ON d.id = k.domain_id
-           WHERE k.org_id = $1 AND d.org_id = $1 AND d.domain = ANY($2::text[]) AND k.active
+           WHERE k.org_id = $1 AND d.org_id = $1 AND d.domain = $2 AND k.active
            ORDER BY k.algorithm DESC, k.created_at""",
         org_id,
-        list(domain_names),
+        domain,
     )
     return [ActiveSigningKey(**dict(r)) for r in rows]
 
 
-async def owner_signing_keys(db: Executor, domain_names: Sequence[str]) -> list[ActiveSigningKey]:
-    """The active keys of whichever org owns the domain spelled as any of `domain_names`, RSA
-    first: what `relay.sign_with_owner_key` signs trusted-network mail with.
+async def owner_signing_keys(db: Executor, domain: str) -> list[ActiveSigningKey]:
+    """The active keys of whichever org owns `domain` (spelled as stored, domains.py), RSA first:
+    what `relay.sign_with_owner_key` signs trusted-network mail with.
 
     Across orgs on purpose (a domain belongs to exactly one org, and its keys are that org's);
     the signer asks this only for mail of `relay.trusted_org` with the setting on.
@@ -230,8 +229,8 @@ async def owner_signing_keys(db: Executor, domain_names: Sequence[str]) -> list[
     rows = await db.fetch(
         """SELECT k.id, d.domain, k.selector, k.algorithm, k.private_key
            FROM dkim_key k JOIN sender_domain d ON d.id = k.domain_id
-           WHERE k.org_id = d.org_id AND d.domain = ANY($1::text[]) AND k.active
+           WHERE k.org_id = d.org_id AND d.domain = $1 AND k.active
            ORDER BY k.algorithm DESC, k.created_at""",
-        list(domain_names),
+        domain,
     )
     return [ActiveSigningKey(**dict(r)) for r in rows]

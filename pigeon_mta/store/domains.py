@@ -8,6 +8,7 @@ from datetime import datetime
 
 import asyncpg
 
+from pigeon_mta.domains import normalize_domain
 from pigeon_mta.ids import new_id
 from pigeon_mta.store.queue import Executor
 
@@ -25,8 +26,12 @@ class DomainTaken(Exception):
     """The domain is already added (to this org or another); a domain belongs to one org."""
 
 
-async def add_sender_domain(db: Executor, org_id: uuid.UUID, domain: str) -> SenderDomain:
-    """Add `domain` (already normalized: lower-case, ASCII/A-label, no trailing dot)."""
+async def add_sender_domain(db: Executor, org_id: uuid.UUID, name: str) -> SenderDomain:
+    """Add the domain `name`, stored in the one spelling of domains.py (the signer and the sender
+    policy look it up in no other); raises ValueError when it is not a host name."""
+    domain = normalize_domain(name)
+    if domain is None:
+        raise ValueError(f"'{name}' is not a domain name")
     row = await db.fetchrow(
         """WITH d AS (
                INSERT INTO sender_domain (id, org_id, domain) VALUES ($1, $2, $3)

@@ -1,4 +1,7 @@
-"""Pure address rules: SMTP paths (RFC 5321 4.1.2), domains, From:/Sender: domains, client IPs.
+"""Pure address rules: SMTP paths (RFC 5321 4.1.2), mailboxes and client IPs.
+
+Domains are spelled by pigeon_mta/domains.py, and the domains of From: and the other originator
+fields are read by pigeon_mta/message.py.
 
 Relaying is decided by who the client is (trusted network or SMTP AUTH), never by what an address
 looks like, so no percent hack, bang path or source route can open the relay. These rules only
@@ -7,15 +10,13 @@ make sure that what is queued is one well-formed mailbox whose domain is the rou
 
 from __future__ import annotations
 
-import email.policy
 import enum
 import ipaddress
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from email.errors import InvalidHeaderDefect, NonPrintableDefect
 
-from pigeon_mta.header_bounds import FieldBounds, FieldProblem, split_addresses
+from pigeon_mta.domains import normalize_domain
 
 # RFC 5321 4.5.3.1.3: a path is at most 256 octets including the angle brackets.
 MAX_PATH_OCTETS = 254
@@ -28,7 +29,6 @@ _DOT_ATOM_ASCII = re.compile(rf"[{_ATEXT}]+(?:\.[{_ATEXT}]+)*\Z")
 _DOT_ATOM_UTF8 = re.compile(rf"[{_ATEXT}\u0080-\U0010ffff]+(?:\.[{_ATEXT}\u0080-\U0010ffff]+)*\Z")
 _QUOTED_ASCII = re.compile(r'"(?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\[\x20-\x7e])*"\Z')
 _QUOTED_UTF8 = re.compile(r'"(?:[\x20\x21\x23-\x5b\x5d-\x7e\u0080-\U0010ffff]|\\[\x20-\x7e])*"\Z')
-_LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?\Z")
 
 
 class AddressProblem(enum.Enum):
@@ -71,24 +71,6 @@ def parse_mailbox(text: str, *, smtputf8: bool) -> Mailbox | AddressProblem:
     if domain is None:
         return AddressProblem.SYNTAX
     return Mailbox(local, domain)
-
-
-def normalize_domain(text: str) -> str | None:
-    """A domain as stored and compared: lower-case A-labels; None when it is not a host name."""
-    if not text or text.endswith(".") or len(text) > 253:
-        return None
-    if not text.isascii():
-        try:
-            text = text.encode("idna").decode("ascii")
-        except UnicodeError:
-            return None
-    text = text.lower()
-    labels = text.split(".")
-    if not all(_LABEL.match(label) for label in labels):
-        return None
-    if labels[-1].isdigit():
-        return None  # a dotted IP address is not a domain (RFC 1123 2.1)
-    return text
 
 
 def split_path(arg: str) -> tuple[str | None, str | None]:
@@ -134,38 +116,6 @@ def _closing_bracket(arg: str) -> int:
         elif char == ">" and not quoted:
             return index
     return -1
-
-
-# ---------------------------------------------------------------- From: header
-
-
-def header_domains(value: str, bounds: FieldBounds) -> set[str] | FieldProblem:
-    """The domains of every address in one From:, Sender:, Resent-From: or Resent-Sender: field
-    value (an empty set when it names none), or why they cannot be read.
-
-    Within `bounds` (header_bounds.py), each address is parsed on its own by the standard
-    library's strict parser. Obsolete syntax (a period in a display name) is accepted; an invalid
-    address, a missing domain or a control character is not, and neither is anything the parser
-    fails on: the policy cannot vouch for what it cannot read.
-    """
-    addresses = split_addresses(value, bounds)
-    if isinstance(addresses, FieldProblem):
-        return addresses
-    domains: set[str] = set()
-    for text in addresses:
-        try:
-            header = email.policy.default.header_factory("From", text)
-            parsed, defects = header.addresses, header.defects
-        except Exception:  # the parser's own failure on odd input: fail closed
-            return FieldProblem.UNPARSEABLE
-        if any(isinstance(d, InvalidHeaderDefect | NonPrintableDefect) for d in defects):
-            return FieldProblem.UNPARSEABLE
-        for address in parsed:
-            domain = normalize_domain(address.domain)
-            if domain is None:
-                return FieldProblem.UNPARSEABLE
-            domains.add(domain)
-    return domains
 
 
 # ---------------------------------------------------------------- clients

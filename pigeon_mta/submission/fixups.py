@@ -15,14 +15,17 @@ from email.utils import format_datetime
 
 import authres
 
+from pigeon_mta.message import (
+    CRLF,
+    ORIGINATOR_FIELDS,
+    field_name,
+    field_value,
+    message_id_of,
+    split_header,
+)
 from pigeon_mta.submission.authserv import claims_authserv_id
 
-CRLF = b"\r\n"
-# A header field name: printable ASCII except the colon (RFC 5322 2.2).
-_FIELD_NAME = re.compile(rb"[\x21-\x39\x3b-\x7e]+:")
 _LONE_EOL = re.compile(rb"\r\n|\r|\n")
-# The fields that name who wrote or sent a message (RFC 5322 3.6.2, 3.6.6), lower-case.
-ORIGINATOR_FIELDS = frozenset({b"from", b"sender", b"resent-from", b"resent-sender"})
 _HELO_UNSAFE = re.compile(r"[^\x21-\x27\x2a-\x5b\x5d-\x7e]")  # no space, parentheses, backslash
 
 
@@ -38,73 +41,8 @@ def normalize_line_endings(data: bytes) -> bytes:
     return _LONE_EOL.sub(CRLF, data)
 
 
-@dataclass(frozen=True)
-class SplitMessage:
-    fields: list[bytes]  # whole header fields, continuation lines and CRLF included
-    rest: bytes  # the blank separator line and the body; b"" when the message is all header
-    separated: bool  # whether `rest` starts with the blank line
-
-
-class HeaderTooLarge(Exception):
-    """The header section is larger than the limit `split_header` was given."""
-
-
 class TooManyHops(Exception):
     """The message has passed through as many hosts as `apply_fixups` allows (a routing loop)."""
-
-
-def split_header(data: bytes, *, max_size: int = 0) -> SplitMessage:
-    """Header fields up to the first blank line, or up to the first line that is not a field.
-    With `max_size`, a header section longer than that raises HeaderTooLarge as soon as it is
-    seen (the rest is not looked at).
-
-    A field's lines are joined once it is complete (adding them one by one copied the field again
-    for every continuation line: quadratic in a header folded into many lines)."""
-    fields: list[list[bytes]] = []  # each field's lines
-    pos = 0
-    size = len(data)
-    rest, separated = b"", False
-    while pos < size:
-        end = data.find(CRLF, pos)
-        end = size if end < 0 else end + 2
-        line = data[pos:end]
-        if line == CRLF:
-            rest, separated = data[pos:], True
-            break
-        if line[:1] in (b" ", b"\t") and fields:
-            fields[-1].append(line)
-        elif _FIELD_NAME.match(line):
-            fields.append([line if line.endswith(CRLF) else line + CRLF])
-        else:
-            rest = data[pos:]
-            break
-        if max_size and end > max_size:
-            raise HeaderTooLarge(f"the header section is over {max_size} bytes")
-        pos = end
-    return SplitMessage([b"".join(lines) for lines in fields], rest, separated)
-
-
-def field_name(field: bytes) -> bytes:
-    return field.split(b":", 1)[0].strip().lower()
-
-
-def field_value(field: bytes) -> str:
-    """The unfolded value, as text (bytes that are not UTF-8 are replaced)."""
-    raw = field.split(b":", 1)[1]
-    unfolded = raw.replace(CRLF, b"").strip()
-    return unfolded.decode("utf-8", "replace")
-
-
-def values_of(fields: list[bytes], name: bytes) -> list[str]:
-    return [field_value(f) for f in fields if field_name(f) == name]
-
-
-def message_id_of(fields: list[bytes]) -> str | None:
-    """The first Message-ID value without angle brackets, fit for a text column; None if empty."""
-    for value in values_of(fields, b"message-id"):
-        text = "".join(c for c in value if c.isprintable()).strip().strip("<>").strip()
-        return text[:998] or None
-    return None
 
 
 @dataclass(frozen=True)
@@ -135,8 +73,8 @@ class Fixed:
 def apply_fixups(
     data: bytes, trace: Trace, *, new_message_id: str, max_header_size: int = 0, max_hops: int = 0
 ) -> Fixed:
-    """The message as queued. Raises HeaderTooLarge past `max_header_size`, TooManyHops when
-    the message holds `max_hops` Received fields already, ours to come (0: no limit)."""
+    """The message as queued. Raises message.HeaderTooLarge past `max_header_size`, TooManyHops
+    when the message holds `max_hops` Received fields already, ours to come (0: no limit)."""
     data = normalize_line_endings(data)
     if data and not data.endswith(CRLF):
         data += CRLF

@@ -19,20 +19,16 @@ from aiosmtpd.smtp import MISSING, AuthResult, Envelope, Session, TLSSetupExcept
 from pigeon_mta import model
 from pigeon_mta.header_bounds import FieldBounds, FieldProblem, split_addresses
 from pigeon_mta.ids import new_id
+from pigeon_mta.message import HeaderTooLarge, address_domains
 from pigeon_mta.metrics import AUTH_FAILURES
 from pigeon_mta.store import domains as store_domains
 from pigeon_mta.store import limits as store_limits
 from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.submission import replies
-from pigeon_mta.submission.addresses import (
-    AddressProblem,
-    Mailbox,
-    header_domains,
-    parse_mailbox,
-)
+from pigeon_mta.submission.addresses import AddressProblem, Mailbox, parse_mailbox
 from pigeon_mta.submission.auth import Verdict
 from pigeon_mta.submission.context import Conversation, ListenerContext
-from pigeon_mta.submission.fixups import HeaderTooLarge, TooManyHops, Trace, apply_fixups
+from pigeon_mta.submission.fixups import TooManyHops, Trace, apply_fixups
 from pigeon_mta.submission.mail_params import TransactionEnvelope
 from pigeon_mta.submission.reception import Reception, record_reception
 
@@ -367,7 +363,7 @@ class SubmissionHandler:
     async def _check_originators(
         self, conv: Conversation, fields: list[tuple[str, str]]
     ) -> str | None:
-        """The originator fields of a message (`fixups.ORIGINATOR_FIELDS`) against the policy.
+        """The originator fields of a message (`message.ORIGINATOR_FIELDS`) against the policy.
 
         Every client's From: is measured (header_bounds.py): one that cannot be parsed within the
         bounds is refused here rather than queued for the DKIM signer to choke on. With the strict
@@ -380,7 +376,7 @@ class SubmissionHandler:
             if name != "from" and not strict:
                 continue
             read = (
-                header_domains(value, self.from_bounds)
+                address_domains(value, self.from_bounds)
                 if strict
                 else split_addresses(value, self.from_bounds)
             )

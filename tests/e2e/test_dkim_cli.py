@@ -70,7 +70,7 @@ async def test_keygen_record_verifies_signed_mail(db_url: str, pool: asyncpg.Poo
 
     signer = DkimSigner(pool)
     try:
-        signed = await signer(delivery(domain.org_id, SAMPLES["eight_bit"]))
+        signed = (await signer(delivery(domain.org_id, SAMPLES["eight_bit"]))).body
     finally:
         signer.close()
     records = {k["name"]: k["value"] for k in listed.values()}

@@ -30,7 +30,7 @@ async def add_sender_domain(db: Db, org_name: str, domain: str) -> store_dkim_ke
         org_name,
         domain,
     )
-    found = await store_dkim_keys.find_sender_domain(db, [domain])
+    found = await store_dkim_keys.find_sender_domain(db, domain)
     assert found is not None
     return found
 

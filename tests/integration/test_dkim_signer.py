@@ -129,12 +129,12 @@ async def test_messages_it_cannot_sign_go_out_unsigned_and_are_counted(
     assert _count("pigeon_dkim_unsigned_total", reason=reason) == before + len(bodies)
 
 
-async def test_a_from_domain_that_is_no_valid_idn_is_looked_up_as_it_is(
+async def test_a_from_domain_that_is_no_valid_idn_goes_unsigned(
     pool: asyncpg.Pool, signer: DkimSigner
 ) -> None:
     domain = await add_sender_domain(pool, "acme", "example.com")
     await add_key(pool, domain, "s1")
-    # A label over 63 characters: looked up as it is, found nowhere.
+    # A label over 63 characters: no domain name, so no sender domain's key applies.
     body = ("From: a@" + "ü" * 64 + ".example\r\n\r\nx\r\n").encode()
     assert (await signer(delivery(domain.org_id, body))).body == body
 

@@ -150,23 +150,6 @@ def test_header_list_signs_present_fields_and_oversigns_from() -> None:
     ]
 
 
-@pytest.mark.parametrize(
-    ("message", "domain"),
-    [
-        (b"From: Alice <alice@Example.COM>\r\n\r\nx", "example.com"),
-        (b'Subject: s\r\nfrom: "Doe, J" <j@ex.org>,\r\n k@ex.org\r\n\r\nx', "ex.org"),
-        (b"From: a@one.example, b@two.example\r\n\r\nx", None),
-        (b"From: a@one.example\r\nFrom: b@one.example\r\n\r\nx", None),
-        (b"To: b@example.net\r\n\r\nFrom: not-a-header@example.com\r\n", None),
-        (b"From: undisclosed\r\n\r\nx", None),
-        (b"From: a@b\xff.example\r\n\r\nx", None),
-        ("From: a@bücher.example\r\n\r\nx".encode(), "bücher.example"),
-    ],
-)
-def test_from_domain(message: bytes, domain: str | None) -> None:
-    assert dkim.from_domain(message) == domain
-
-
 def test_a_message_without_from_cannot_be_signed(
     rsa_key: tuple[dkim.GeneratedKey, dkim.SigningKey],
 ) -> None:

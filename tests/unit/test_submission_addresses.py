@@ -6,14 +6,11 @@ import ipaddress
 
 import pytest
 
-from pigeon_mta.header_bounds import FieldBounds, FieldProblem
 from pigeon_mta.submission.addresses import (
     AddressProblem,
     Mailbox,
     client_address,
-    header_domains,
     in_networks,
-    normalize_domain,
     parse_mailbox,
     split_path,
 )
@@ -66,45 +63,6 @@ def test_refused_mailboxes(text: str, problem: AddressProblem) -> None:
 
 def test_utf8_local_part_with_smtputf8() -> None:
     assert parse_mailbox("jörg@example.com", smtputf8=True) == Mailbox("jörg", "example.com")
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("Example.COM", "example.com"),
-        ("münchen.de", "xn--mnchen-3ya.de"),
-        ("a..b", None),
-        ("", None),
-    ],
-)
-def test_normalize_domain(text: str, expected: str | None) -> None:
-    assert normalize_domain(text) == expected
-
-
-@pytest.mark.parametrize(
-    ("value", "expected"),
-    [
-        ("App <app@Acme.Example>", {"acme.example"}),
-        ("a@x.example, B <b@y.example>", {"x.example", "y.example"}),
-        ('"Doe, J" <j@x.example>, (a, comment) k@y.example', {"x.example", "y.example"}),
-        ("John Q. Public <john@x.example>", {"x.example"}),
-        ('"ceo@acme.example" <evil@other.example>', {"other.example"}),
-        ("", set()),
-        ("a@good.example@evil.example", FieldProblem.UNPARSEABLE),
-        ("alice@example.org)<bob@evil.example>", FieldProblem.UNPARSEABLE),
-        ("nobody", FieldProblem.UNPARSEABLE),
-        ("a@[192.0.2.1]", FieldProblem.UNPARSEABLE),
-        ("x <a@b.example> \x00", FieldProblem.UNPARSEABLE),
-        ("(" * 9 + ")" * 9 + " a@x.example", FieldProblem.UNPARSEABLE),
-        ("(" * 8 + ")" * 8 + " a@x.example", {"x.example"}),
-        (", ".join(["a@x.example"] * 101), FieldProblem.TOO_MANY_ADDRESSES),
-        (", ".join(["a@x.example"] * 100), {"x.example"}),
-        ("x " * 300 + "<a@x.example>", FieldProblem.TOO_LONG),  # one address over 512
-        (", ".join(["Display Name <someone@x.example>"] * 90), FieldProblem.TOO_LONG),  # > 2048
-    ],
-)
-def test_header_domains(value: str, expected: set[str] | FieldProblem) -> None:
-    assert header_domains(value, FieldBounds(max_length=2048)) == expected
 
 
 def test_client_addresses_and_networks() -> None:

@@ -7,13 +7,7 @@ from datetime import UTC, datetime
 import pytest
 
 from pigeon_mta.submission import replies
-from pigeon_mta.submission.fixups import (
-    HeaderTooLarge,
-    Trace,
-    apply_fixups,
-    normalize_line_endings,
-    split_header,
-)
+from pigeon_mta.submission.fixups import Trace, apply_fixups, normalize_line_endings
 
 NOW = datetime(2024, 5, 6, 7, 8, 9, tzinfo=UTC)
 
@@ -48,29 +42,6 @@ def trace(**changes: object) -> Trace:
 )
 def test_line_endings(raw: bytes, normalized: bytes) -> None:
     assert normalize_line_endings(raw) == normalized
-
-
-def test_split_header_with_folding_and_body() -> None:
-    split = split_header(b"Subject: a\r\n long\r\nFrom: x@y\r\n\r\nbody\r\n")
-    assert split.fields == [b"Subject: a\r\n long\r\n", b"From: x@y\r\n"]
-    assert split.rest == b"\r\nbody\r\n" and split.separated
-
-
-def test_a_field_folded_into_many_lines_is_kept_whole() -> None:
-    folded = b"Subject: x\r\n" + b" y\r\n" * 5000
-    split = split_header(folded + b"From: x@y\r\n\r\nbody\r\n")
-    assert split.fields == [folded, b"From: x@y\r\n"]
-    assert split.rest == b"\r\nbody\r\n" and split.separated
-
-
-def test_a_header_section_over_the_limit_is_refused_and_a_large_body_is_not() -> None:
-    header = b"From: x@y\r\nSubject: " + b"s" * 80 + b"\r\n"  # 103 octets
-    split = split_header(header + b"\r\n" + b"body\r\n" * 100, max_size=len(header))
-    assert split.fields == [b"From: x@y\r\n", header[11:]]
-    with pytest.raises(HeaderTooLarge):
-        split_header(header + b"\r\nbody\r\n", max_size=len(header) - 1)
-    with pytest.raises(HeaderTooLarge):  # a continuation line counts too
-        split_header(header + b" more\r\n\r\nbody\r\n", max_size=len(header))
 
 
 def test_missing_message_id_and_date_are_added_and_trace_goes_on_top() -> None:
