@@ -66,5 +66,5 @@ def test_check_config_warns_about_the_insecure_relayhost_opt_out(tmp_path: Path)
     path.write_text(RELAYHOST_AUTH + "relayhost_auth_insecure = true\n")
     result = run_pigeon("check-config", str(path))
     assert result.returncode == 0, result.stderr
-    assert result.stderr.startswith("warning: the relayhost password goes to any certificate")
+    assert "pigeon-mta: warning: the relayhost password goes to any certificate" in result.stderr
     assert "ok" in result.stdout
