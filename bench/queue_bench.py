@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pigeon_mta.config import Settings
 from pigeon_mta.ids import new_id
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
+from pigeon_mta.outbound.claims import group_deliveries
 from pigeon_mta.store import queue
 from pigeon_mta.store.connect import server_settings
 from pigeon_mta.store.group_commit import MAX_COMMITS, GroupCommit
@@ -185,7 +186,10 @@ async def claim_record(
 
     async def run(i: int, conn: asyncpg.Connection) -> None:
         while sum(taken) < count and time.monotonic() < deadline:
-            batch = await queue.claim_due_recipients(conn, owner=f"bench-{i}", lease=300, batch=100)
+            claimed = await queue.claim_due_recipients(
+                conn, owner=f"bench-{i}", lease=300, batch=100
+            )
+            batch = group_deliveries(claimed)
             if not batch:
                 return
             if record:

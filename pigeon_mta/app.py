@@ -24,14 +24,13 @@ from typing import Protocol
 
 import asyncpg
 
-from pigeon_mta import metrics, node
+from pigeon_mta import metrics, node, notices
 from pigeon_mta.config import ConfigError, Settings
 from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.logs import configured_level, setup_logging
 from pigeon_mta.observability.exposition import MetricsExposition, MultiprocessSetupError
 from pigeon_mta.observability.health import Readiness, publish_queue_stats
 from pigeon_mta.observability.http import ObservabilityServer
-from pigeon_mta.store import bounces as store_bounces
 from pigeon_mta.store import connect as store_connect
 from pigeon_mta.store import events as store_events
 from pigeon_mta.store import migrate as store_migrate
@@ -128,9 +127,9 @@ class Maintenance:
             log.warning(
                 "lease sweeper: %d recipient(s) whose lease ran out are queued again", requeued
             )
-        # Expiry and the DSNs it owes the senders commit together (store.bounces).
+        # Expiry and the DSNs it owes the senders commit together (notices.py).
         expired = (
-            await store_bounces.expire_and_bounce(
+            await notices.expire_and_bounce(
                 self.pool,
                 max_age=self.settings.delivery.max_age,
                 max_age_text=format_duration(self.settings.delivery.max_age),
@@ -154,7 +153,7 @@ class Maintenance:
             self._unlogged = []
         warn_after = self.settings.bounces.delay_warning_after
         if warn_after > 0:
-            warned = await store_bounces.warn_delayed(
+            warned = await notices.warn_delayed(
                 self.pool,
                 after=warn_after,
                 max_age=self.settings.delivery.max_age,

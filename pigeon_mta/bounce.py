@@ -23,10 +23,8 @@ from typing import Literal
 
 from pigeon_mta.ids import new_id
 from pigeon_mta.message import split_at_blank_line
-from pigeon_mta.model import Envelope, Reply
+from pigeon_mta.model import DSN_LISTENER, Envelope, Reply
 
-# The listener name recorded on DSNs, which no client submitted.
-DSN_LISTENER = "bounce"
 EXPIRED_STATUS = "4.4.7"  # RFC 3463: delivery time expired
 MAX_ORIGINAL_HEADER_BYTES = 64 * 1024
 _FOLD_AT = 78

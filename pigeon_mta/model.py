@@ -51,6 +51,10 @@ EVENT_TYPE = {
 }
 
 
+# The listener name recorded on DSNs (bounce.py builds them), which no client submitted.
+DSN_LISTENER = "bounce"
+
+
 @dataclass(frozen=True)
 class Envelope:
     """A message as accepted by the submission side, ready to be queued."""
@@ -125,8 +129,24 @@ class ClaimedRecipient:
 
 
 @dataclass(frozen=True)
+class ClaimedRow:
+    """One claimed recipient as the claim returns it, with its message; `group_deliveries`
+    (outbound/claims.py) makes Deliveries of them."""
+
+    message_id: uuid.UUID
+    org_id: uuid.UUID
+    sender: str
+    header_message_id: str | None
+    received_at: datetime
+    domain: str
+    body: bytes | None  # on one row of each message (each body is read once)
+    recipient: ClaimedRecipient
+
+
+@dataclass(frozen=True)
 class Delivery:
-    """One unit of outbound work: a message's recipients at one domain, claimed together."""
+    """One unit of outbound work: a message's recipients at one destination (a domain, or the
+    domains that share a static route), claimed together; `domain` is the one it is routed by."""
 
     message_id: uuid.UUID
     org_id: uuid.UUID

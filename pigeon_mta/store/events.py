@@ -15,7 +15,7 @@ from datetime import datetime
 
 import asyncpg
 
-from pigeon_mta.bounce import DSN_LISTENER
+from pigeon_mta.model import DSN_LISTENER
 from pigeon_mta.store.queue import Executor
 
 
@@ -238,7 +238,7 @@ async def stories_of(
 # ---------------------------------------------------------------- what a failure caused
 
 # A DSN is queued in the transaction that records the bounce or expiry it reports
-# (store/bounces.py), so its message row's received_at is the attempt row's recorded_at (both are
+# (notices.py), so its message row's received_at is the attempt row's recorded_at (both are
 # that transaction's now()); among the DSNs of that instant (one per message failed in the round)
 # its delivery-status part names the original's queue id. Served by message_org_received.
 _DSNS = f"""

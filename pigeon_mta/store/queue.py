@@ -9,9 +9,11 @@ whose lease ran out cannot overwrite the work of the claim that replaced it.
 
 from __future__ import annotations
 
+import contextlib
 import time
+import typing
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -21,7 +23,7 @@ from pigeon_mta.ids import new_id, new_ids
 from pigeon_mta.model import (
     AttemptResult,
     ClaimedRecipient,
-    Delivery,
+    ClaimedRow,
     Envelope,
     Outcome,
     Reply,
@@ -30,6 +32,19 @@ from pigeon_mta.model import (
 )
 
 Executor = asyncpg.Pool | asyncpg.Connection
+
+
+@contextlib.asynccontextmanager
+async def transaction(db: Executor) -> AsyncIterator[asyncpg.Connection]:
+    """A transaction on a pooled connection, or on (or nested in) the connection given."""
+    if isinstance(db, asyncpg.Pool):
+        async with db.acquire() as conn, conn.transaction():
+            # The pool hands out a proxy that behaves as the connection it wraps.
+            yield typing.cast(asyncpg.Connection, conn)
+    else:
+        async with db.transaction():
+            yield db
+
 
 NOTIFY_CHANNEL = "pigeon_queue"
 
@@ -177,8 +192,8 @@ SUPPRESSION_ACTIVE = "(s.expires_at IS NULL OR s.expires_at > now())"
 
 # Cross-tenant by design: the claim serves every org's queue. ARRAY(...) makes the locking subquery
 # run once; the partial index recipient_due serves its WHERE and ORDER BY. One row per recipient,
-# grouped in Python: grouping in SQL (array_agg ... ORDER BY per column and group) cost PostgreSQL
-# about a seventh of the claim (bench/README.md "Queue").
+# grouped in Python (outbound/claims.py): grouping in SQL (array_agg ... ORDER BY per column and
+# group) cost PostgreSQL about a seventh of the claim (bench/README.md "Queue").
 _CLAIM = f"""
 WITH c AS (
     UPDATE recipient r
@@ -213,44 +228,29 @@ LEFT JOIN suppression s ON s.org_id = m.org_id AND s.address = lower(c.address)
 
 async def claim_due_recipients(
     db: Executor, *, owner: str, lease: float, batch: int
-) -> list[Delivery]:
-    """Claim up to `batch` due recipients, grouped into one Delivery per (message, domain), in
-    the order the messages were received, each one's recipients in address (code point) order."""
-    rows = await db.fetch(_CLAIM, float(lease), owner, batch)
-    bodies: dict[uuid.UUID, bytes] = {}
-    groups: dict[tuple[uuid.UUID, str], list[asyncpg.Record]] = {}
-    for row in rows:
-        if row["body"] is not None:
-            bodies[row["message_id"]] = row["body"]
-        groups.setdefault((row["message_id"], row["domain"]), []).append(row)
-    deliveries = []
-    for (message_id, domain), members in groups.items():
-        members.sort(key=lambda row: row["address"])
-        first = members[0]
-        deliveries.append(
-            Delivery(
-                message_id=message_id,
-                org_id=first["org_id"],
-                sender=first["sender"],
-                domain=domain,
-                header_message_id=first["header_message_id"],
-                received_at=first["received_at"],
-                body=bodies[message_id],
-                recipients=tuple(
-                    ClaimedRecipient(
-                        id=r["id"],
-                        address=r["address"],
-                        attempts=r["attempts"],
-                        queued_at=r["created_at"],
-                        suppressed=r["suppressed"],
-                        last_reply=_last_reply(r),
-                    )
-                    for r in members
-                ),
-            )
+) -> list[ClaimedRow]:
+    """Claim up to `batch` due recipients: one row each, in no particular order. Each message's
+    body is on one of its rows; `group_deliveries` (outbound/claims.py) makes the deliveries."""
+    return [
+        ClaimedRow(
+            message_id=row["message_id"],
+            org_id=row["org_id"],
+            sender=row["sender"],
+            header_message_id=row["header_message_id"],
+            received_at=row["received_at"],
+            domain=row["domain"],
+            body=row["body"],
+            recipient=ClaimedRecipient(
+                id=row["id"],
+                address=row["address"],
+                attempts=row["attempts"],
+                queued_at=row["created_at"],
+                suppressed=row["suppressed"],
+                last_reply=_last_reply(row),
+            ),
         )
-    deliveries.sort(key=lambda d: (d.received_at, d.message_id))
-    return deliveries
+        for row in await db.fetch(_CLAIM, float(lease), owner, batch)
+    ]
 
 
 def _last_reply(row: asyncpg.Record) -> Reply | None:

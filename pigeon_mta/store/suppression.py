@@ -7,22 +7,18 @@ check and replaced by the next bounce or `suppress add`.
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 
 import asyncpg
 
-from pigeon_mta.bounce_classify import Category, classify_reply, suppresses
 from pigeon_mta.ids import new_id, new_ids
-from pigeon_mta.model import AttemptResult, Delivery, Outcome, Reply
 from pigeon_mta.store.queue import SUPPRESSION_ACTIVE, Executor
 
 MANUAL = "manual"
 BOUNCE = "bounce"
-SUPPRESSED_RULE = "suppression-list"
 
 
 @dataclass(frozen=True)
@@ -129,51 +125,6 @@ async def list_suppressions(
     return [_entry(r) for r in rows]
 
 
-# ---------------------------------------------------------------- checks
-
-
-def split_suppressed(
-    deliveries: Sequence[Delivery], *, now: datetime | None = None
-) -> tuple[list[Delivery], list[AttemptResult]]:
-    """Split claimed work into what may be attempted and the `suppressed` results to record; the
-    claim has read each recipient's entry (ClaimedRecipient.suppressed). A delivery left with no
-    recipient is dropped; the results go to the same record call as the attempted ones.
-    """
-    reasons: dict[uuid.UUID, str] = {
-        r.id: r.suppressed for d in deliveries for r in d.recipients if r.suppressed is not None
-    }
-    if not reasons:
-        return list(deliveries), []
-    now = now or datetime.now(UTC)
-    keep: list[Delivery] = []
-    results: list[AttemptResult] = []
-    for delivery in deliveries:
-        remaining = tuple(r for r in delivery.recipients if r.id not in reasons)
-        for r in delivery.recipients:
-            if r.id in reasons:
-                results.append(
-                    AttemptResult(
-                        recipient_id=r.id,
-                        message_id=delivery.message_id,
-                        org_id=delivery.org_id,
-                        attempt=r.attempts,
-                        outcome=Outcome.SUPPRESSED,
-                        reply=Reply(
-                            0,
-                            None,
-                            f"not attempted: {r.address} is on the suppression list "
-                            f"({reasons[r.id]})",
-                        ),
-                        started_at=now,
-                        category=Category.SUPPRESSED,
-                        rule=SUPPRESSED_RULE,
-                    )
-                )
-        if remaining:
-            keep.append(dataclasses.replace(delivery, recipients=remaining))
-    return keep, results
-
-
 # ---------------------------------------------------------------- from bounces
 
 # An active manual entry stays as the operator left it; a bounce entry (or an expired one) is
@@ -201,34 +152,31 @@ WHERE s.source = '{BOUNCE}' OR NOT {SUPPRESSION_ACTIVE}
 """
 
 
-async def suppress_from_bounces(
-    db: Executor,
-    results: Sequence[AttemptResult],
-    applied: set[uuid.UUID],
-    *,
-    suppress_for: float = 0,
-) -> int:
-    """Suppress the addresses of recorded hard bounces for an invalid recipient or a bad domain.
+@dataclass(frozen=True)
+class BounceEntry:
+    """A hard bounce whose address goes on its org's list (outbound/outcome.py decides which)."""
 
-    Call it in the transaction that recorded `results` (`applied` is what record_attempts
-    returned): the entry points at the attempt that caused it. `suppress_for` > 0 makes entries
-    expire after that many seconds. Returns how many entries were written.
+    recipient_id: uuid.UUID
+    attempt: int  # the attempt that bounced: the entry points at its attempt-log row
+    reason: str
+
+
+async def suppress_bounced(
+    db: Executor, entries: Sequence[BounceEntry], *, suppress_for: float = 0
+) -> int:
+    """Suppress the addresses of these recorded hard bounces; returns how many entries were written.
+
+    Call it in the transaction that recorded the bounces: the entry points at the attempt that
+    caused it. `suppress_for` > 0 makes entries expire after that many seconds.
     """
-    chosen: list[tuple[AttemptResult, str]] = []
-    for result in results:
-        if result.outcome != Outcome.BOUNCED or result.recipient_id not in applied:
-            continue
-        category = result.category or classify_reply(result.reply).category
-        if suppresses(category):
-            chosen.append((result, f"{category}: {result.reply}"))
-    if not chosen:
+    if not entries:
         return 0
     rows = await db.execute(
         _FROM_BOUNCES,
-        new_ids(len(chosen)),
-        [r.recipient_id for r, _ in chosen],
-        [r.attempt for r, _ in chosen],
-        [reason for _, reason in chosen],
+        new_ids(len(entries)),
+        [e.recipient_id for e in entries],
+        [e.attempt for e in entries],
+        [e.reason for e in entries],
         float(suppress_for),
     )
     return int(rows.rsplit(" ", 1)[-1])

@@ -8,7 +8,18 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 
 from pigeon_mta.model import AttemptResult, Delivery, Envelope, Outcome, Reply
+from pigeon_mta.outbound.claims import group_deliveries
 from pigeon_mta.store import queue
+
+
+async def claim(
+    db: asyncpg.Pool | asyncpg.Connection, *, owner: str, lease: float, batch: int
+) -> list[Delivery]:
+    """Claim due recipients, grouped into one Delivery per (message, domain) as the engine
+    groups them when no static route joins domains."""
+    return group_deliveries(
+        await queue.claim_due_recipients(db, owner=owner, lease=lease, batch=batch)
+    )
 
 
 async def bulk_queue(
@@ -93,5 +104,5 @@ async def suppressed_at_claim(
             listener="relay",
         ),
     )
-    claimed = await queue.claim_due_recipients(pool, owner="test", lease=60, batch=1000)
+    claimed = await claim(pool, owner="test", lease=60, batch=1000)
     return {r.address for d in claimed for r in d.recipients if r.suppressed is not None}

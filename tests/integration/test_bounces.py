@@ -14,11 +14,12 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 import pytest
 
-from pigeon_mta.bounce import DSN_LISTENER
-from pigeon_mta.bounce_classify import classify_reply
-from pigeon_mta.model import AttemptResult, Delivery, Envelope, Outcome, Reply
+from pigeon_mta import notices
+from pigeon_mta.model import DSN_LISTENER, AttemptResult, Delivery, Envelope, Outcome, Reply
+from pigeon_mta.outbound import outcome
+from pigeon_mta.outbound.classify import classify_reply
 from pigeon_mta.store import admin_queue, bounces, queue, suppression
-from tests.integration.queue_helpers import bulk_queue, suppressed_at_claim
+from tests.integration.queue_helpers import bulk_queue, claim, suppressed_at_claim
 from tests.integration.test_queue import _recipient_scans
 
 HOST = "mta.example.org"
@@ -43,7 +44,7 @@ async def send(
 
 
 async def claim_all(pool: asyncpg.Pool) -> list[Delivery]:
-    return await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=1000)
+    return await claim(pool, owner=OWNER, lease=60, batch=1000)
 
 
 def result(
@@ -101,7 +102,7 @@ async def test_two_permanent_failures_of_three_recipients_make_one_bounce_naming
         result(net, "carol@example.net", Outcome.DELIVERED, Reply(250, "2.0.0", "ok")),
         result(nowhere, "dave@nowhere.example", Outcome.BOUNCED, NO_DOMAIN),
     ]
-    recorded = await bounces.record_attempts_and_bounce(pool, results, hostname=HOST)
+    recorded = await outcome.apply_outcomes(pool, results, hostname=HOST)
 
     assert len(recorded.applied) == 3 and len(recorded.bounces) == 1
     (dsn,) = await queued_dsns(pool)
@@ -135,7 +136,7 @@ async def test_two_permanent_failures_of_three_recipients_make_one_bounce_naming
 async def test_null_sender_mail_is_never_bounced(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
     await send(pool, org_id, "bob@example.net", sender="")
     (delivery,) = await claim_all(pool)
-    recorded = await bounces.record_attempts_and_bounce(
+    recorded = await outcome.apply_outcomes(
         pool, [result(delivery, "bob@example.net", Outcome.BOUNCED, UNKNOWN)], hostname=HOST
     )
     assert recorded.bounces == []
@@ -145,13 +146,13 @@ async def test_null_sender_mail_is_never_bounced(pool: asyncpg.Pool, org_id: uui
 async def test_a_bounce_that_bounces_ends_there(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
     await send(pool, org_id, "bob@example.net")
     (delivery,) = await claim_all(pool)
-    await bounces.record_attempts_and_bounce(
+    await outcome.apply_outcomes(
         pool, [result(delivery, "bob@example.net", Outcome.BOUNCED, UNKNOWN)], hostname=HOST
     )
     # The DSN to alice fails permanently too: nothing more is queued, no loop.
     (dsn_delivery,) = await claim_all(pool)
     assert dsn_delivery.sender == ""
-    recorded = await bounces.record_attempts_and_bounce(
+    recorded = await outcome.apply_outcomes(
         pool,
         [result(dsn_delivery, "alice@example.com", Outcome.BOUNCED, UNKNOWN)],
         hostname=HOST,
@@ -164,7 +165,7 @@ async def test_a_stale_claim_reports_nothing(pool: asyncpg.Pool, org_id: uuid.UU
     await send(pool, org_id, "bob@example.net")
     (delivery,) = await claim_all(pool)
     stale = result(delivery, "bob@example.net", Outcome.BOUNCED, UNKNOWN, attempt=99)
-    recorded = await bounces.record_attempts_and_bounce(pool, [stale], hostname=HOST)
+    recorded = await outcome.apply_outcomes(pool, [stale], hostname=HOST)
     assert recorded.applied == set() and recorded.bounces == [] and recorded.suppressed == 0
     assert await queued_dsns(pool) == []
 
@@ -175,7 +176,7 @@ async def test_soft_categories_bounce_but_do_not_suppress(
     await send(pool, org_id, "bob@example.net")
     (delivery,) = await claim_all(pool)
     full = Reply(552, "5.2.2", "mailbox full")
-    recorded = await bounces.record_attempts_and_bounce(
+    recorded = await outcome.apply_outcomes(
         pool, [result(delivery, "bob@example.net", Outcome.BOUNCED, full)], hostname=HOST
     )
     assert len(recorded.bounces) == 1 and recorded.suppressed == 0
@@ -197,7 +198,7 @@ async def test_a_manual_entry_is_not_overwritten_by_a_bounce(
     # what a bounce does to existing entries.
     await send(pool, org_id, "bob@example.net", "carol@example.net")
     (delivery,) = await claim_all(pool)
-    await bounces.record_attempts_and_bounce(
+    await outcome.apply_outcomes(
         pool,
         [
             result(delivery, "bob@example.net", Outcome.BOUNCED, UNKNOWN),
@@ -234,7 +235,7 @@ async def test_expiry_queues_a_4_4_7_bounce_in_the_same_transaction(
            WHERE created_at < now() - interval '1 day'"""
     )
 
-    expired = await bounces.expire_and_bounce(
+    expired = await notices.expire_and_bounce(
         pool, max_age=5 * 86400, max_age_text="5d", hostname=HOST
     )
 
@@ -249,7 +250,7 @@ async def test_expiry_queues_a_4_4_7_bounce_in_the_same_transaction(
             assert (block["Action"], block["Status"]) == ("failed", "4.4.7")
             assert block["Diagnostic-Code"] == "smtp; 451 4.7.1 greylisted, come back later"
     assert await pool.fetchval("SELECT count(*) FROM recipient WHERE status = 'expired'") == 8
-    again = await bounces.expire_and_bounce(
+    again = await notices.expire_and_bounce(
         pool, max_age=5 * 86400, max_age_text="5d", hostname=HOST
     )
     assert again.recipients == [] and again.bounces == []
@@ -266,7 +267,7 @@ async def test_expiry_is_undone_when_its_bounce_cannot_be_queued(
            FOR EACH ROW EXECUTE FUNCTION refuse_dsn();"""
     )
     with pytest.raises(asyncpg.RaiseError):
-        await bounces.expire_and_bounce(pool, max_age=5 * 86400, max_age_text="5d", hostname=HOST)
+        await notices.expire_and_bounce(pool, max_age=5 * 86400, max_age_text="5d", hostname=HOST)
     # Nothing is lost: the recipients are still queued and will expire (with a DSN) next time.
     assert await pool.fetchval("SELECT count(*) FROM recipient WHERE status = 'queued'") == 2
     assert await pool.fetchval("SELECT count(*) FROM attempt") == 0
@@ -290,12 +291,12 @@ async def test_suppressed_recipients_are_not_attempted(
         reason="gone",
         expires_at=datetime.now(UTC) - timedelta(1),
     )
-    keep, results = suppression.split_suppressed(await claim_all(pool))
+    keep, results = outcome.split_suppressed(await claim_all(pool), now=datetime.now(UTC))
 
     assert [[r.address for r in d.recipients] for d in keep] == [["carol@example.net"]]
     assert sorted(r.outcome for r in results) == ["suppressed", "suppressed"]
     assert all(r.category == "suppressed" and "suppression list" in r.reply.text for r in results)
-    recorded = await bounces.record_attempts_and_bounce(pool, results, hostname=HOST)
+    recorded = await outcome.apply_outcomes(pool, results, hostname=HOST)
     assert len(recorded.applied) == 2 and recorded.bounces == []
     statuses = await pool.fetch("SELECT address, status FROM recipient ORDER BY address")
     assert [(r["address"], r["status"]) for r in statuses] == [
@@ -314,7 +315,7 @@ async def test_an_entry_outside_ascii_matches_at_the_claim_as_in_the_batch_check
     entry, _new = await suppression.add_suppression(pool, org_id, "<İnci@Example.TR>", reason="x")
     assert entry.address == await pool.fetchval("SELECT lower('İnci@example.tr')")
     await send(pool, org_id, "İnci@example.tr")
-    keep, results = suppression.split_suppressed(await claim_all(pool))
+    keep, results = outcome.split_suppressed(await claim_all(pool), now=datetime.now(UTC))
     assert keep == [] and [r.outcome for r in results] == ["suppressed"]
     assert await suppressed_at_claim(pool, org_id, ["İNCİ@example.tr"]) == {"İNCİ@example.tr"}
     assert await suppression.remove_suppression(pool, org_id, "İnci@EXAMPLE.tr")
@@ -357,7 +358,7 @@ def test_messages_needing_bounces_groups_applied_failures_per_message() -> None:
         r(m2, Outcome.SUPPRESSED),
     ]
     applied = {x.recipient_id for x in results} - {results[3].recipient_id}
-    grouped = bounces.messages_needing_bounces(results, applied)
+    grouped = outcome.messages_needing_bounces(results, applied)
     assert grouped == {m1: [results[0].recipient_id, results[2].recipient_id]}
 
 
@@ -391,7 +392,7 @@ async def test_delay_warning_tells_the_sender_once_per_recipient(
         "UPDATE recipient SET created_at = now() - interval '3 hours' WHERE address = 'a@example.net'"
     )
 
-    warned = await bounces.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
+    warned = await notices.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
 
     assert warned.recipients == 3  # a@, b@ and the null sender's e@
     marked = await pool.fetch(
@@ -421,7 +422,7 @@ async def test_delay_warning_tells_the_sender_once_per_recipient(
     )
     assert all(r["status"] == "queued" and r["next_attempt_at"] > datetime.now(UTC) for r in states)
 
-    again = await bounces.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
+    again = await notices.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
     assert (again.recipients, again.warnings) == (0, [])
     assert len(await queued_dsns(pool)) == 1
 
@@ -452,14 +453,14 @@ async def test_a_delay_warning_that_cannot_be_queued_leaves_its_recipients_unmar
                FOR EACH ROW EXECUTE FUNCTION refuse_messages()"""
     )
     with pytest.raises(asyncpg.RaiseError, match="no space left"):
-        await bounces.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
+        await notices.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
     assert (
         await pool.fetchval("SELECT count(*) FROM recipient WHERE delay_warned_at IS NOT NULL") == 0
     )
     assert await queued_dsns(pool) == []
 
     await pool.execute("DROP TRIGGER refuse_messages ON message")
-    warned = await bounces.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
+    warned = await notices.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
     assert warned.recipients == 3 and len(warned.warnings) == 3
 
 
@@ -470,13 +471,13 @@ async def test_delay_warnings_work_off_a_backlog_oldest_first_and_concurrently_o
     once (two nodes) never warn about the same recipient."""
     await deferred_for(pool, org_id, 4, hours=2)  # the newer ones are written first
     await deferred_for(pool, org_id, 3, hours=3)
-    first = await bounces.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST, limit=3)
+    first = await notices.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST, limit=3)
     oldest = await pool.fetch("SELECT created_at FROM recipient WHERE delay_warned_at IS NOT NULL")
     assert first.recipients == 3
     assert all(r["created_at"] < datetime.now(UTC) - timedelta(hours=2.5) for r in oldest)
     rounds = await asyncio.gather(
         *(
-            bounces.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST, limit=3)
+            notices.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST, limit=3)
             for _ in range(2)
         )
     )
@@ -484,7 +485,7 @@ async def test_delay_warnings_work_off_a_backlog_oldest_first_and_concurrently_o
     assert sum(r.recipients for r in rounds) == 4
     assert len(await queued_dsns(pool)) == 7  # one per message, none twice
     assert (
-        await bounces.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST)
+        await notices.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST)
     ).recipients == 0
 
 
@@ -503,7 +504,7 @@ async def test_the_delay_warning_round_reads_only_what_is_due(
     assert ("Index Scan", "recipient_warn_due") in scans, scans
     assert all(kind != "Seq Scan" for kind, _ in scans), scans
     assert all(name in ("recipient_warn_due", "recipient_pkey", None) for _, name in scans), scans
-    warned = await bounces.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST)
+    warned = await notices.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST)
     assert warned.recipients == 5
 
 
@@ -513,7 +514,7 @@ async def test_a_retried_bounce_may_be_warned_again_a_retried_deferral_not(
     """`pigeon-mta queue retry` of a bounced or expired recipient starts a new life in the queue
     (created_at restarts), so its sender may be warned again; retrying a deferred one is a nudge."""
     await deferred_for(pool, org_id, 2)
-    await bounces.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST)
+    await notices.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST)
     first, second = await pool.fetch("SELECT id FROM recipient WHERE attempts > 0 ORDER BY id")
     await pool.execute("UPDATE recipient SET status = 'bounced' WHERE id = $1", first["id"])
     async with pool.acquire() as conn:

@@ -15,7 +15,7 @@ import asyncpg
 import pytest
 
 from pigeon_mta.model import Delivery, Signed
-from pigeon_mta.outbound.classify import LOCAL_FAILURE_LIMIT
+from pigeon_mta.outbound.outcome import LOCAL_FAILURE_LIMIT
 from pigeon_mta.signer import DkimSigner
 from tests.integration.dkim_helpers import add_key, add_sender_domain
 from tests.integration.outbound_helpers import BODY, attempts, running_engine, send, wait_final

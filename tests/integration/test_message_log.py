@@ -14,9 +14,10 @@ import asyncpg
 
 from pigeon_mta.deliverylog import EVENT_FIELDS, DeliveryLog
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
-from pigeon_mta.store.bounces import record_attempts_and_bounce
-from pigeon_mta.store.queue import claim_due_recipients, enqueue, record_attempts
+from pigeon_mta.outbound.outcome import apply_outcomes
+from pigeon_mta.store.queue import enqueue, record_attempts
 from tests.conftest import run_pigeon
+from tests.integration.queue_helpers import claim
 
 REPLIES = [
     (Outcome.DEFERRED, Reply(451, "4.7.1", "Greylisted, please try again later")),
@@ -48,7 +49,7 @@ async def attempt_once(
     retry_at: datetime | None = None,
 ) -> None:
     """Claim the due recipients, record one outcome for all of them, log it: the engine's path."""
-    deliveries = await claim_due_recipients(pool, owner="test-node", lease=60, batch=10)
+    deliveries = await claim(pool, owner="test-node", lease=60, batch=10)
     assert len(deliveries) == 1
     d = deliveries[0]
     results = [
@@ -237,7 +238,7 @@ async def test_a_bounce_names_its_dsn_and_the_suppression_entry_it_made(
     first = await enqueue(pool, story_envelope(org_id, ("bob@example.net",), "b1@example.com"))
     second = await enqueue(pool, story_envelope(org_id, ("carol@example.org",), "b2@example.com"))
     deliveries = {d.message_id: d for d in await claim_all(pool)}
-    recorded = await record_attempts_and_bounce(
+    recorded = await apply_outcomes(
         pool,
         [
             result(deliveries[first], "bob@example.net", Outcome.BOUNCED, UNKNOWN),

@@ -9,7 +9,8 @@ from datetime import UTC, datetime
 import asyncpg
 
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
-from pigeon_mta.store.queue import claim_due_recipients, enqueue, record_attempts
+from pigeon_mta.store.queue import enqueue, record_attempts
+from tests.integration.queue_helpers import claim
 from tests.integration.test_message_log import pigeon_log
 
 HELO = "evil.example\x1b[2J\rforged"
@@ -31,7 +32,7 @@ async def test_hostile_helo_and_reply_text_are_escaped(
         auth_user=None,
     )
     queue_id = await enqueue(pool, envelope)
-    (delivery,) = await claim_due_recipients(pool, owner="test-node", lease=60, batch=10)
+    (delivery,) = await claim(pool, owner="test-node", lease=60, batch=10)
     (recipient,) = delivery.recipients
     await record_attempts(
         pool,

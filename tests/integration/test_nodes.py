@@ -13,7 +13,7 @@ import asyncpg
 
 from pigeon_mta.node import STALE_AFTER, NodeRun
 from pigeon_mta.store import nodes, queue
-from tests.integration.queue_helpers import bulk_queue
+from tests.integration.queue_helpers import bulk_queue, claim
 
 
 async def take(
@@ -31,7 +31,7 @@ async def take(
 
 
 async def claim_two(pool: asyncpg.Pool, owner: str) -> None:
-    assert len(await queue.claim_due_recipients(pool, owner=owner, lease=3600, batch=2)) == 2
+    assert len(await claim(pool, owner=owner, lease=3600, batch=2)) == 2
 
 
 async def free(pool: asyncpg.Pool, name: str) -> int:

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from pigeon_mta.model import Delivery, Signed
-from pigeon_mta.outbound.classify import backoff_window
+from pigeon_mta.outbound.outcome import backoff_window
 from tests.integration.outbound_helpers import (
     attempts,
     running_engine,

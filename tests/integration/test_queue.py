@@ -14,7 +14,7 @@ import pytest
 
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
 from pigeon_mta.store import queue
-from tests.integration.queue_helpers import bulk_queue, results_for
+from tests.integration.queue_helpers import bulk_queue, claim, results_for
 
 OWNER = "node-a"
 
@@ -148,7 +148,7 @@ async def test_claim_groups_by_message_and_domain(pool: asyncpg.Pool, org_id: uu
     qid = await queue.enqueue(
         pool, envelope(org_id, "a@one.example", "b@two.example", "c@ONE.example")
     )
-    deliveries = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=100)
+    deliveries = await claim(pool, owner=OWNER, lease=60, batch=100)
     by_domain = {d.domain: d for d in deliveries}
     assert set(by_domain) == {"one.example", "two.example"}
     assert [r.address for r in by_domain["one.example"].recipients] == [
@@ -164,7 +164,7 @@ async def test_claim_groups_by_message_and_domain(pool: asyncpg.Pool, org_id: uu
         r["status"] == "delivering" and r["lease_owner"] == OWNER and r["leased"] for r in rows
     )
     # Nothing is due any more.
-    assert await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=100) == []
+    assert await claim(pool, owner=OWNER, lease=60, batch=100) == []
 
 
 async def test_claim_hands_out_messages_in_the_order_they_were_received(
@@ -174,7 +174,7 @@ async def test_claim_hands_out_messages_in_the_order_they_were_received(
         await queue.enqueue(pool, envelope(org_id, f"r{i}@one.example", f"s{i}@two.example"))
         for i in range(5)
     ]
-    deliveries = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=100)
+    deliveries = await claim(pool, owner=OWNER, lease=60, batch=100)
     assert [d.message_id for d in deliveries if d.domain == "one.example"] == ids
     assert [d.message_id for d in deliveries if d.domain == "two.example"] == ids
     # Each delivery carries its message's body, though the claim sent each body once.
@@ -184,7 +184,7 @@ async def test_claim_hands_out_messages_in_the_order_they_were_received(
 async def test_claim_skips_rows_not_yet_due(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
     await bulk_queue(pool, org_id, messages=5, due_in=3600)
     await bulk_queue(pool, org_id, messages=3)
-    deliveries = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=100)
+    deliveries = await claim(pool, owner=OWNER, lease=60, batch=100)
     assert len(deliveries) == 3
 
 
@@ -199,7 +199,7 @@ async def test_eight_concurrent_claimers_take_every_row_exactly_once(
         taken: list[uuid.UUID] = []
         async with pool.acquire() as conn:
             while True:
-                batch = await queue.claim_due_recipients(conn, owner=name, lease=300, batch=100)
+                batch = await claim(conn, owner=name, lease=300, batch=100)
                 if not batch:
                     return taken
                 taken.extend(r.id for d in batch for r in d.recipients)
@@ -221,17 +221,17 @@ async def test_dead_claimer_holds_rows_only_until_its_lease_runs_out(
 ) -> None:
     await bulk_queue(pool, org_id, messages=10)
     doomed = await asyncpg.connect(db_url)
-    claimed = await queue.claim_due_recipients(doomed, owner="doomed-node", lease=1, batch=100)
+    claimed = await claim(doomed, owner="doomed-node", lease=1, batch=100)
     assert len(claimed) == 10
     await doomed.close()  # dies without recording anything
 
     # While the lease holds, nobody else gets the rows and the sweeper leaves them alone.
-    assert await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=100) == []
+    assert await claim(pool, owner=OWNER, lease=60, batch=100) == []
     assert await queue.requeue_expired_leases(pool) == 0
     await asyncio.sleep(1.3)
     assert await queue.requeue_expired_leases(pool) == 10
 
-    again = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=100)
+    again = await claim(pool, owner=OWNER, lease=60, batch=100)
     assert len(again) == 10
     assert all(r.attempts == 2 for d in again for r in d.recipients), "the lost attempt is counted"
     lost = await pool.fetch("SELECT outcome, response FROM attempt")
@@ -244,8 +244,8 @@ async def test_node_restart_frees_its_own_leases_at_once(
 ) -> None:
     """Runs without a row in `node` are gone (tests/integration/test_nodes.py has the live ones)."""
     await bulk_queue(pool, org_id, messages=4)
-    await queue.claim_due_recipients(pool, owner="node-b/run1", lease=3600, batch=2)
-    await queue.claim_due_recipients(pool, owner=f"{OWNER}/run1", lease=3600, batch=2)
+    await claim(pool, owner="node-b/run1", lease=3600, batch=2)
+    await claim(pool, owner=f"{OWNER}/run1", lease=3600, batch=2)
     assert await queue.free_leases_of_gone_runs(pool, node_name=OWNER, stale_after=30) == 2
     statuses = await pool.fetch("SELECT status, lease_owner FROM recipient ORDER BY status")
     assert sorted((r["status"], r["lease_owner"]) for r in statuses) == [
@@ -258,7 +258,7 @@ async def test_node_restart_frees_its_own_leases_at_once(
 
 async def test_record_outcomes_in_one_batch(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
     await bulk_queue(pool, org_id, messages=3)
-    deliveries = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=100)
+    deliveries = await claim(pool, owner=OWNER, lease=60, batch=100)
     delivered, deferred, bounced = deliveries
     results = (
         results_for([delivered], Outcome.DELIVERED)
@@ -292,10 +292,10 @@ async def test_a_stale_claim_cannot_overwrite_a_newer_one(
     pool: asyncpg.Pool, org_id: uuid.UUID
 ) -> None:
     await bulk_queue(pool, org_id, messages=1)
-    old = await queue.claim_due_recipients(pool, owner="slow-node", lease=1, batch=1)
+    old = await claim(pool, owner="slow-node", lease=1, batch=1)
     await asyncio.sleep(1.2)
     await queue.requeue_expired_leases(pool)
-    new = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=1)
+    new = await claim(pool, owner=OWNER, lease=60, batch=1)
     # The slow node finally reports a bounce: it is logged, not applied.
     assert await queue.record_attempts(pool, results_for(old, Outcome.BOUNCED, code=550)) == set()
     assert await pool.fetchval("SELECT status FROM recipient") == "delivering"
@@ -313,10 +313,10 @@ async def test_stale_and_current_outcome_of_one_recipient_in_one_batch(
     """Both outcomes are logged; only the current claim's is applied, and the recipient counts as
     moved (the engine must not hand it back)."""
     await bulk_queue(pool, org_id, messages=1)
-    old = await queue.claim_due_recipients(pool, owner="slow-node", lease=1, batch=1)
+    old = await claim(pool, owner="slow-node", lease=1, batch=1)
     await asyncio.sleep(1.2)
     await queue.requeue_expired_leases(pool)
-    new = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=1)
+    new = await claim(pool, owner=OWNER, lease=60, batch=1)
     rid = new[0].recipients[0].id
     batch = [*results_for(old, Outcome.BOUNCED, code=550), *results_for(new, Outcome.DELIVERED)]
     assert await queue.record_attempts(pool, batch) == {rid}
@@ -335,7 +335,7 @@ async def test_stale_and_current_outcome_of_one_recipient_in_one_batch(
 
 async def test_renew_and_release(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
     await bulk_queue(pool, org_id, messages=2)
-    deliveries = await queue.claim_due_recipients(pool, owner=OWNER, lease=5, batch=10)
+    deliveries = await claim(pool, owner=OWNER, lease=5, batch=10)
     ids = [r.id for d in deliveries for r in d.recipients]
     tries = [r.attempts for d in deliveries for r in d.recipients]
     assert await queue.renew_leases(pool, ids, owner=OWNER, lease=3600, attempts=tries) == 2
@@ -366,7 +366,7 @@ async def test_stats_count_the_live_queue(pool: asyncpg.Pool, org_id: uuid.UUID)
     await bulk_queue(pool, org_id, messages=4, due_in=-120)
     await bulk_queue(pool, org_id, messages=3, due_in=3600)
     await bulk_queue(pool, org_id, messages=5, status="delivered")
-    await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=1)
+    await claim(pool, owner=OWNER, lease=60, batch=1)
     stats = await queue.queue_stats(pool)
     assert (stats.queued, stats.due, stats.delivering) == (6, 3, 1)
     assert 100 < stats.oldest_due_age < 200
@@ -426,7 +426,7 @@ async def test_retention_purges_only_old_finished_messages(
 ) -> None:
     old_done = await queue.enqueue(pool, envelope(org_id, "a@example.net"))
     old_waiting = await queue.enqueue(pool, envelope(org_id, "b@example.net", "c@example.net"))
-    deliveries = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=10)
+    deliveries = await claim(pool, owner=OWNER, lease=60, batch=10)
     done = [d for d in deliveries if d.message_id == old_done]
     waiting = [d for d in deliveries if d.message_id == old_waiting]
     await queue.record_attempts(pool, results_for(done, Outcome.DELIVERED))
@@ -441,7 +441,7 @@ async def test_retention_purges_only_old_finished_messages(
     )
     await asyncio.sleep(1.5)
     fresh = await queue.enqueue(pool, envelope(org_id, "d@example.net"))
-    fresh_done = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=10)
+    fresh_done = await claim(pool, owner=OWNER, lease=60, batch=10)
     await queue.record_attempts(pool, results_for(fresh_done, Outcome.DELIVERED))
 
     # Messages received more than a second ago count as old here.
@@ -474,10 +474,10 @@ async def test_release_and_renew_touch_only_the_claim_they_name(
     # Two processes of one node share its name as lease owner. Process A's claim (attempt 1) ran
     # out and process B claimed the row again (attempt 2): A's release or renewal must not touch it.
     await bulk_queue(pool, org_id, messages=1)
-    [first] = await queue.claim_due_recipients(pool, owner=OWNER, lease=1, batch=1)
+    [first] = await claim(pool, owner=OWNER, lease=1, batch=1)
     await asyncio.sleep(1.2)
     assert await queue.requeue_expired_leases(pool) == 1
-    [second] = await queue.claim_due_recipients(pool, owner=OWNER, lease=60, batch=1)
+    [second] = await claim(pool, owner=OWNER, lease=60, batch=1)
     rid = first.recipients[0].id
     assert (first.recipients[0].attempts, second.recipients[0].attempts) == (1, 2)
 
@@ -501,11 +501,7 @@ async def test_fenced_statements_look_up_their_rows_by_primary_key_with_many_in_
     await bulk_queue(pool, org_id, messages=20_000, status="delivered")
     await bulk_queue(pool, org_id, messages=5_000)
     await pool.execute("VACUUM ANALYZE recipient")  # statistics: nothing in flight
-    claimed = [
-        d
-        for _ in range(50)
-        for d in await queue.claim_due_recipients(pool, owner=OWNER, lease=300, batch=100)
-    ]
+    claimed = [d for _ in range(50) for d in await claim(pool, owner=OWNER, lease=300, batch=100)]
     rows = [(d, r) for d in claimed for r in d.recipients][:100]
     results = results_for([d for d, _ in rows], Outcome.DELIVERED)[:100]
     async with pool.acquire() as conn:

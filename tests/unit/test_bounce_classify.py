@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from pigeon_mta.bounce_classify import (
+from pigeon_mta.model import Reply
+from pigeon_mta.outbound.classify import (
     RULES,
     SUPPRESSING_CATEGORIES,
     Category,
     classify_reply,
     suppresses,
 )
-from pigeon_mta.model import Reply
 
 C = Category
 

@@ -9,14 +9,8 @@ import aiosmtplib
 import pytest
 
 from pigeon_mta.model import Outcome, Reply
-from pigeon_mta.outbound.classify import (
-    Stage,
-    backoff_delay,
-    backoff_window,
-    classify,
-    give_up_repeated_failure,
-    parse_reply,
-)
+from pigeon_mta.outbound.classify import Stage, classify, parse_reply
+from pigeon_mta.outbound.outcome import backoff_delay, backoff_window, give_up_repeated_failure
 
 D, B, X = Outcome.DELIVERED, Outcome.BOUNCED, Outcome.DEFERRED
 

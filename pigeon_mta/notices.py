@@ -1,0 +1,147 @@
+"""DSNs to senders: built for failed, expired and long-delayed recipients, queued atomically.
+
+A recipient that becomes `bounced` or `expired` and the DSN that tells its sender commit together:
+a crash can lose neither alone. The DSN is an ordinary queued message (null sender, org of the
+original), so it is delivered, retried and logged like any other mail. The store reads the
+recipients (store/bounces.py) and queues what is built here (bounce.py writes the bytes).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+from pigeon_mta.bounce import (
+    EXPIRED_STATUS,
+    MAX_ORIGINAL_HEADER_BYTES,
+    OriginalMessage,
+    RecipientReport,
+    build_bounce,
+    build_delay_warning,
+    header_section,
+)
+from pigeon_mta.ids import new_id
+from pigeon_mta.model import Envelope, Status
+from pigeon_mta.store import bounces as store_bounces
+from pigeon_mta.store import queue as store_queue
+from pigeon_mta.store.bounces import ReportedRecipient
+from pigeon_mta.store.queue import Executor, ExpiredRecipient
+
+# Four bytes beyond the header limit: room for the empty line that ends a header section that size.
+_HEAD_BYTES = MAX_ORIGINAL_HEADER_BYTES + 4
+
+
+async def queue_bounces(
+    db: Executor, recipient_ids: Sequence[uuid.UUID], *, hostname: str
+) -> list[uuid.UUID]:
+    """Queue one DSN per message for these bounced/expired recipients; returns the DSNs' queue ids.
+
+    Recipients of null-sender mail (DSNs themselves) are skipped: a bounce is never bounced.
+    Call it in the transaction that made the recipients final.
+    """
+    reported = await store_bounces.reported_recipients(db, recipient_ids, head_bytes=_HEAD_BYTES)
+    failed = [r for r in reported if r.status in (Status.BOUNCED, Status.EXPIRED)]
+    dsns: list[tuple[uuid.UUID, Envelope]] = []
+    for original, recipients in _per_original(failed):
+        envelope = build_bounce(original, [_report(r) for r in recipients], hostname=hostname)
+        if envelope is not None:
+            dsns.append((new_id(), envelope))
+    # All of this round's DSNs in one statement, with one NOTIFY sent at commit.
+    await store_queue.enqueue_many(db, dsns, notify=True)
+    return [queue_id for queue_id, _envelope in dsns]
+
+
+@dataclass(frozen=True)
+class Expired:
+    recipients: list[ExpiredRecipient]
+    bounces: list[uuid.UUID]  # queue ids of the DSNs queued
+
+
+async def expire_and_bounce(
+    db: Executor,
+    *,
+    max_age: float,
+    max_age_text: str,
+    hostname: str,
+    limit: int = 1000,
+) -> Expired:
+    """Expire due recipients older than max_age and queue their DSNs (Status 4.4.7), atomically."""
+    async with store_queue.transaction(db) as conn:
+        expired = await store_queue.expire_old_recipients(
+            conn, max_age=max_age, max_age_text=max_age_text, limit=limit
+        )
+        bounces = await queue_bounces(conn, [e.recipient_id for e in expired], hostname=hostname)
+    return Expired(recipients=expired, bounces=bounces)
+
+
+@dataclass(frozen=True)
+class Warned:
+    recipients: int  # recipients marked as warned (those of null-sender mail get no warning)
+    warnings: list[uuid.UUID]  # queue ids of the DSNs (Action: delayed) queued
+
+
+async def warn_delayed(
+    db: Executor,
+    *,
+    after: float,
+    max_age: float,
+    hostname: str,
+    limit: int = 1000,
+) -> Warned:
+    """Tell the senders of recipients still being retried `after` seconds after they were queued
+    (one DSN with Action: delayed per message and round, RFC 3464), once per recipient: the mark
+    and the DSNs commit together. A recipient being delivered when its message's others are
+    warned is warned at a later round if it is deferred again, in a DSN of its own. The DSN says
+    until when delivery will be tried: the earliest expiry (created_at + max_age) among those it
+    names, so that it promises no try that will not happen."""
+    async with store_queue.transaction(db) as conn:
+        marked = await store_bounces.mark_delayed(conn, after=after, limit=limit)
+        if not marked:
+            return Warned(recipients=0, warnings=[])
+        reported = await store_bounces.reported_recipients(conn, marked, head_bytes=_HEAD_BYTES)
+        dsns: list[tuple[uuid.UUID, Envelope]] = []
+        for original, recipients in _per_original(reported):
+            envelope = build_delay_warning(
+                original,
+                [_report(r) for r in recipients],
+                hostname=hostname,
+                retry_until=min(r.created_at for r in recipients) + timedelta(seconds=max_age),
+            )
+            if envelope is not None:
+                dsns.append((new_id(), envelope))
+        await store_queue.enqueue_many(conn, dsns, notify=True)
+    return Warned(recipients=len(marked), warnings=[queue_id for queue_id, _e in dsns])
+
+
+def _per_original(
+    reported: Sequence[ReportedRecipient],
+) -> list[tuple[OriginalMessage, list[ReportedRecipient]]]:
+    """Recipients (ordered by message) grouped per original message: one DSN each."""
+    per_message: dict[uuid.UUID, list[ReportedRecipient]] = {}
+    for r in reported:
+        per_message.setdefault(r.message_id, []).append(r)
+    grouped = []
+    for recipients in per_message.values():
+        first = recipients[0]
+        original = OriginalMessage(
+            queue_id=first.message_id,
+            org_id=first.org_id,
+            sender=first.sender,
+            received_at=first.received_at,
+            header_message_id=first.header_message_id,
+            headers=header_section(first.head),
+        )
+        grouped.append((original, recipients))
+    return grouped
+
+
+def _report(r: ReportedRecipient) -> RecipientReport:
+    return RecipientReport(
+        address=r.address,
+        reply=r.last_reply,
+        remote_mta=r.remote_mta,
+        status=EXPIRED_STATUS if r.status == Status.EXPIRED else None,
+        last_attempt_at=r.last_attempt_at,
+    )

@@ -1,0 +1,187 @@
+"""One delivery: sign -> route -> the destination's limits -> one SMTP transaction -> judged results.
+
+`Courier.deliver` answers with values: each recipient's AttemptResult, or `Postponed` when the
+destination has no room now. Nothing escapes it but cancellation: an unexpected error defers the
+recipients (a bug must not lose mail) and is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from pigeon_mta.config import Settings, TlsPolicy
+from pigeon_mta.metrics import ACCEPT_TO_DELIVERY_SECONDS, DELIVERY_ATTEMPT_SECONDS
+from pigeon_mta.model import AttemptResult, Delivery, Outcome, Signed
+from pigeon_mta.outbound.attempt import (
+    Peer,
+    RecipientResult,
+    TransactionResult,
+    not_connected,
+    transact,
+    wire_message,
+)
+from pigeon_mta.outbound.limits import Gate, Gates, policy_for
+from pigeon_mta.outbound.mx import Route, RouteFailure, Router
+from pigeon_mta.outbound.outcome import judge
+from pigeon_mta.outbound.pool import ConnectionPool, ConnectOptions, NotConnected
+from pigeon_mta.signer import KeysUnavailable
+
+log = logging.getLogger(__name__)
+
+Signer = Callable[[Delivery], Awaitable[Signed]]
+
+# The peer of results that never reached one.
+NO_PEER = Peer(None, None, None)
+
+
+@dataclass(frozen=True)
+class Postponed:
+    """The destination had no room: its recipients go back to the queue, unattempted, until."""
+
+    until: datetime
+
+
+class Courier:
+    """Delivers one Delivery at a time (many at once), over connections pooled per host."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        sign: Signer,
+        router: Router,
+        rng: random.Random,
+        on_data_sent: Callable[[Iterable[uuid.UUID]], None],
+    ) -> None:
+        self.delivery = settings.delivery
+        self.sign = sign
+        self.router = router
+        self.rng = rng
+        self.on_data_sent = on_data_sent
+        self.connections = ConnectionPool(
+            ConnectOptions.from_settings(settings.server.hostname, settings.delivery),
+            max_per_host=settings.delivery.max_connections_per_host,
+            idle_timeout=settings.delivery.idle_timeout,
+        )
+        self.gates = Gates()
+
+    async def deliver(
+        self, delivery: Delivery, *, sending: Callable[[], None]
+    ) -> list[AttemptResult] | Postponed:
+        """The results of one delivery; `sending` is called once it passed its destination's
+        limits, when its SMTP transaction begins."""
+        started_at = datetime.now(UTC)
+        try:
+            return await self._deliver(delivery, started_at, sending)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if isinstance(exc, KeysUnavailable):
+                # The database is away (a restart, a failover): a temporary local failure, and
+                # expected, so no traceback.
+                log.warning("message %s deferred: %s", delivery.message_id, exc)
+            else:
+                # A bug must not lose mail: the recipients are deferred and the error logged.
+                log.exception("delivery of message %s failed unexpectedly", delivery.message_id)
+            return self._judge(
+                delivery,
+                [RecipientResult(r, "connect", exc) for r in delivery.recipients],
+                started_at,
+            )
+
+    async def _deliver(
+        self, delivery: Delivery, started_at: datetime, sending: Callable[[], None]
+    ) -> list[AttemptResult] | Postponed:
+        route = await self.router.route(delivery.domain)
+        if isinstance(route, RouteFailure):
+            return self._judge(
+                delivery,
+                [RecipientResult(r, "route", route.reply) for r in delivery.recipients],
+                started_at,
+            )
+        policy = policy_for(self.delivery, delivery.domain, route)
+        entered = await self.gates.enter(policy, self.delivery.throttle_wait)
+        if not isinstance(entered, Gate):
+            wait = entered * self.rng.uniform(1.0, 1.2)
+            return Postponed(datetime.now(UTC) + timedelta(seconds=wait))
+        sending()
+        try:
+            signed = await self.sign(delivery)
+            tx = await self._transaction(
+                delivery, signed.body, route, policy.tls, policy.max_messages_per_connection
+            )
+        finally:
+            self.gates.leave(entered)
+        DELIVERY_ATTEMPT_SECONDS.observe(tx.duration)
+        # Started so that start + duration is when the final reply came (attempt.py).
+        tx_started_at = tx.finished_at - timedelta(seconds=tx.duration)
+        return self._judge(
+            delivery, tx.results, tx_started_at, tx.peer, tx.duration, dkim=signed.dkim
+        )
+
+    async def _transaction(
+        self, delivery: Delivery, body: bytes, route: Route, tls: TlsPolicy, max_messages: int
+    ) -> TransactionResult:
+        message = wire_message(body)
+        started = asyncio.get_running_loop().time()
+        for _ in range(2):
+            connected = await self.connections.connect(route, tls, self.router)
+            if isinstance(connected, NotConnected):
+                return not_connected(delivery.recipients, connected, started)
+            reusable = False  # unless the transaction says so: an error escaping it breaks it
+            try:
+                tx = await transact(
+                    connected,
+                    sender=delivery.sender,
+                    recipients=delivery.recipients,
+                    message=message,
+                    command_timeout=self.delivery.command_timeout,
+                    data_timeout=self.delivery.data_timeout,
+                    started=started,
+                    on_data_sent=self.on_data_sent,
+                )
+                reusable = tx.reusable
+            finally:
+                # Always given back: a connection kept by a failed task would hold its host's
+                # slot for good, and the destination would wait on the pool for ever.
+                await self.connections.release(
+                    connected.connection, reusable=reusable, max_messages=max_messages
+                )
+            if not tx.stale_connection:
+                break
+        return tx
+
+    def _judge(
+        self,
+        delivery: Delivery,
+        results: Sequence[RecipientResult],
+        started_at: datetime,
+        peer: Peer = NO_PEER,
+        duration: float = 0.0,
+        *,
+        dkim: str | None = None,
+    ) -> list[AttemptResult]:
+        """`judge` with this courier's clock, retry settings and randomness; counts delivered
+        mail's time from acceptance."""
+        now = datetime.now(UTC)
+        judged = judge(
+            delivery,
+            results,
+            peer=peer,
+            duration=duration,
+            started_at=started_at,
+            now=now,
+            settings=self.delivery,
+            rng=self.rng,
+            dkim=dkim,
+        )
+        for result in judged:
+            if result.outcome == Outcome.DELIVERED:
+                ACCEPT_TO_DELIVERY_SECONDS.observe((now - delivery.received_at).total_seconds())
+        return judged

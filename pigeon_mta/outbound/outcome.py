@@ -1,0 +1,276 @@
+"""The outcome path: each recipient's result judged (`judge`), a batch applied at once (`apply_outcomes`).
+
+`judge` is pure: an SMTP reply or error at a stage becomes an AttemptResult with its outcome, its
+category and the rules that chose them, and the time of the next try (or expiry once the next try
+would come after delivery.max_age). `apply_outcomes` records a batch of them in one database
+transaction, together with everything that must commit with them: the DSNs for bounced and expired
+recipients and the suppression entries for hard bounces. The engine counts what took effect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from pigeon_mta import notices
+from pigeon_mta.config import DeliverySettings
+from pigeon_mta.model import AttemptResult, ClaimedRecipient, Delivery, Outcome, Reply
+from pigeon_mta.outbound.attempt import Peer, RecipientResult
+from pigeon_mta.outbound.classify import Category, Verdict, classify, classify_reply, suppresses
+from pigeon_mta.signer import KeysUnavailable
+from pigeon_mta.store import queue as store_queue
+from pigeon_mta.store import suppression as store_suppression
+from pigeon_mta.store.queue import Executor
+from pigeon_mta.store.suppression import BounceEntry
+
+# Outcomes that end a recipient's delivery in failure and so are reported to the sender.
+FAILED_OUTCOMES = frozenset({Outcome.BOUNCED, Outcome.EXPIRED})
+SUPPRESSED_RULE = "suppression-list"
+
+
+def judge(
+    delivery: Delivery,
+    results: Sequence[RecipientResult],
+    *,
+    peer: Peer,
+    duration: float,
+    started_at: datetime,
+    now: datetime,
+    settings: DeliverySettings,
+    rng: random.Random,
+    dkim: str | None = None,
+) -> list[AttemptResult]:
+    """Each recipient's result -> an AttemptResult: outcome, next try, or expiry. `dkim` says
+    how the message that was sent was signed (None when it was not sent)."""
+    max_age = timedelta(seconds=settings.max_age)
+    out: list[AttemptResult] = []
+    for item in results:
+        verdict = classify(item.result, item.stage)
+        if not isinstance(item.result, KeysUnavailable):  # the database away: it passes
+            verdict = give_up_repeated_failure(verdict, item.recipient.last_reply)
+        outcome, rule, next_at = verdict.outcome, verdict.rule, None
+        if outcome == Outcome.DEFERRED:
+            delay = backoff_delay(
+                item.recipient.attempts, settings.retry_initial, settings.retry_max, rng
+            )
+            next_at = now + timedelta(seconds=delay)
+            if next_at > item.recipient.queued_at + max_age:
+                # The next try would come after max_age: give up now, with this reply.
+                outcome, rule, next_at = Outcome.EXPIRED, f"{rule}; max-age", None
+        category = None
+        if outcome != Outcome.DELIVERED:
+            bounce_class = classify_reply(verdict.reply)
+            category, rule = str(bounce_class.category), f"{rule}; {bounce_class.rule}"
+        out.append(
+            AttemptResult(
+                recipient_id=item.recipient.id,
+                message_id=delivery.message_id,
+                org_id=delivery.org_id,
+                attempt=item.recipient.attempts,
+                outcome=outcome,
+                reply=verdict.reply.storable(),
+                started_at=started_at,
+                duration=duration,
+                next_attempt_at=next_at,
+                mx_host=peer.host,
+                ip=peer.ip,
+                port=peer.port,
+                tls_version=peer.tls_version,
+                tls_cipher=peer.tls_cipher,
+                category=category,
+                rule=rule,
+                dkim=dkim,
+            )
+        )
+    return out
+
+
+def split_suppressed(
+    deliveries: Sequence[Delivery], *, now: datetime
+) -> tuple[list[Delivery], list[AttemptResult]]:
+    """Split claimed work into what may be attempted and the `suppressed` results to record; the
+    claim has read each recipient's entry (ClaimedRecipient.suppressed). A delivery left with no
+    recipient is dropped; the results go to the same record call as the attempted ones.
+    """
+    keep: list[Delivery] = []
+    results: list[AttemptResult] = []
+    for delivery in deliveries:
+        remaining = tuple(r for r in delivery.recipients if r.suppressed is None)
+        for r in delivery.recipients:
+            if r.suppressed is None:
+                continue
+            text = f"not attempted: {r.address} is on the suppression list ({r.suppressed})"
+            results.append(
+                AttemptResult(
+                    recipient_id=r.id,
+                    message_id=delivery.message_id,
+                    org_id=delivery.org_id,
+                    attempt=r.attempts,
+                    outcome=Outcome.SUPPRESSED,
+                    reply=Reply(0, None, text),
+                    started_at=now,
+                    category=Category.SUPPRESSED,
+                    rule=SUPPRESSED_RULE,
+                )
+            )
+        if len(remaining) == len(delivery.recipients):
+            keep.append(delivery)
+        elif remaining:
+            keep.append(dataclasses.replace(delivery, recipients=remaining))
+    return keep, results
+
+
+def interrupted_after_data(
+    delivery: Delivery, recipient: ClaimedRecipient, now: datetime
+) -> AttemptResult:
+    """The outcome of a transaction that stop broke off after its final dot: deferred, due at
+    once, and marked as a possible duplicate."""
+    reply = Reply(
+        0,
+        "4.3.2",
+        "shutdown broke off the transaction after the message was sent; it may have "
+        "been delivered (possible duplicate on retry)",
+    )
+    return AttemptResult(
+        recipient_id=recipient.id,
+        message_id=delivery.message_id,
+        org_id=delivery.org_id,
+        attempt=recipient.attempts,
+        outcome=Outcome.DEFERRED,
+        reply=reply,
+        started_at=now,
+        next_attempt_at=now,
+        rule="interrupted-after-data",
+    )
+
+
+# ---------------------------------------------------------------- repeated local failures
+
+# A local failure (an exception inside pigeon-mta, not a reply from a peer) that recurs word for
+# word on this many attempts in a row is taken to be about the message, not the moment (a message
+# the code cannot process): the recipient bounces with 5.3.0 instead of being retried, each time
+# with a traceback in the log, until delivery.max_age. A failure that passes (the database away)
+# reads differently from one try to the next, or is not "unknown-error" at all.
+LOCAL_FAILURE_LIMIT = 3
+
+_REPEATS = re.compile(r" \(the same local failure on (\d+) attempts in a row\)\Z")
+
+
+def give_up_repeated_failure(
+    verdict: Verdict, previous: Reply | None, limit: int = LOCAL_FAILURE_LIMIT
+) -> Verdict:
+    """`verdict` for a local failure, counted against the reply the last attempt recorded.
+
+    The count travels in the reply text ("... (the same local failure on 2 attempts in a row)"),
+    so that it needs no column and an operator reading the log sees it; "the same" is the same
+    exception type and message as that text records."""
+    if verdict.rule != "unknown-error":
+        return verdict
+    reply = verdict.reply.storable()
+    count = 1
+    if previous is not None and previous.code == 0 and previous.enhanced_code == "4.3.0":
+        match = _REPEATS.search(previous.text)
+        earlier = previous.text[: match.start()] if match else previous.text
+        if earlier == reply.text:
+            count = (int(match[1]) if match else 1) + 1
+    if count >= limit:
+        text = f"{reply.text} (the same local failure on {count} attempts in a row; given up)"
+        return Verdict(Outcome.BOUNCED, Reply(0, "5.3.0", text), "local-failure-repeated")
+    if count > 1:
+        text = f"{reply.text} (the same local failure on {count} attempts in a row)"
+        return Verdict(verdict.outcome, Reply(0, reply.enhanced_code, text), verdict.rule)
+    return verdict
+
+
+# ---------------------------------------------------------------- retry timing
+
+
+def backoff_window(attempts: int, initial: float, maximum: float) -> tuple[float, float]:
+    """The range the delay before the next try falls in, after `attempts` tries.
+
+    Exponential: initial, 2x, 4x ... capped at maximum; jitter spreads the next tries of mail
+    that failed together (a destination that was down) over a quarter of the step, so they do
+    not all come back at the same moment.
+    """
+    exponent = max(0, min(attempts - 1, 60))
+    base = min(maximum, initial * (2.0**exponent))
+    return max(initial, base * 0.75) if attempts > 1 else initial, min(maximum, base * 1.25)
+
+
+def backoff_delay(
+    attempts: int, initial: float, maximum: float, rng: random.Random | None = None
+) -> float:
+    """A delay drawn from `backoff_window`."""
+    low, high = backoff_window(attempts, initial, maximum)
+    return (rng or random).uniform(low, high)
+
+
+# ---------------------------------------------------------------- applying a batch
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What one apply_outcomes call did."""
+
+    applied: set[uuid.UUID]  # recipient ids whose state moved (see queue.record_attempts)
+    bounces: list[uuid.UUID] = field(default_factory=list)  # queue ids of the DSNs queued
+    suppressed: int = 0  # suppression entries written for hard bounces
+
+
+async def apply_outcomes(
+    db: Executor,
+    results: Sequence[AttemptResult],
+    *,
+    hostname: str,
+    suppress_for: float = 0,
+) -> Applied:
+    """Record a batch of outcomes in ONE transaction: the recipients' state and attempt rows, the
+    DSNs for failures and the suppression entries for hard bounces."""
+    if not results:
+        return Applied(applied=set())
+    if not any(r.outcome in FAILED_OUTCOMES for r in results):
+        # Nothing to bounce or suppress: the record statement is the whole transaction (one round
+        # trip instead of BEGIN, record, COMMIT; most batches under load are like this).
+        return Applied(applied=await store_queue.record_attempts(db, results))
+    async with store_queue.transaction(db) as conn:
+        applied = await store_queue.record_attempts(conn, results)
+        failed = messages_needing_bounces(results, applied)
+        bounces = await notices.queue_bounces(
+            conn, [rid for ids in failed.values() for rid in ids], hostname=hostname
+        )
+        suppressed = await store_suppression.suppress_bounced(
+            conn, bounce_suppressions(results, applied), suppress_for=suppress_for
+        )
+    return Applied(applied=applied, bounces=bounces, suppressed=suppressed)
+
+
+def messages_needing_bounces(
+    results: Sequence[AttemptResult], applied: set[uuid.UUID]
+) -> dict[uuid.UUID, list[uuid.UUID]]:
+    """Failed recipients of one recorded round, grouped per message: one DSN per key.
+
+    Only results whose outcome was applied count: a stale claim's bounce is logged but reports
+    nothing, since the claim that replaced it owns the recipient now.
+    """
+    grouped: dict[uuid.UUID, list[uuid.UUID]] = {}
+    for result in results:
+        if result.outcome in FAILED_OUTCOMES and result.recipient_id in applied:
+            grouped.setdefault(result.message_id, []).append(result.recipient_id)
+    return grouped
+
+
+def bounce_suppressions(
+    results: Sequence[AttemptResult], applied: set[uuid.UUID]
+) -> list[BounceEntry]:
+    """The applied hard bounces whose category (an invalid recipient, a bad domain) puts their
+    address on the org's suppression list; `judge` gives every bounce its category."""
+    return [
+        BounceEntry(r.recipient_id, r.attempt, f"{r.category}: {r.reply}")
+        for r in results
+        if r.outcome == Outcome.BOUNCED and r.recipient_id in applied and suppresses(r.category)
+    ]
