@@ -18,7 +18,8 @@ import asyncpg
 import pytest
 
 from pigeon_mta.config import Settings
-from pigeon_mta.store import queue
+from pigeon_mta.store import admin_queue, events, queue
+from pigeon_mta.store.admin_queue import Selection
 from pigeon_mta.store.connect import server_settings
 from tests.integration.queue_helpers import bulk_queue
 
@@ -141,3 +142,64 @@ async def test_purge_batch_reads_neither_the_suppression_list_nor_the_history(
         "SELECT count(*) FROM suppression WHERE source = 'bounce' AND attempt_id IS NULL"
     )
     assert kept == 2
+
+
+async def test_dry_runs_count_rows_in_flight_through_the_lease_index(
+    big: asyncpg.Connection,
+) -> None:
+    async with big.transaction():
+        retry, retry_read = await reads_of(
+            big,
+            lambda: admin_queue.bulk_action(
+                big,
+                "retry",
+                Selection(statuses=("deferred",), domain="slow.example"),
+                dry_run=True,
+            ),
+        )
+        cancel, cancel_read = await reads_of(
+            big, lambda: admin_queue.bulk_action(big, "cancel", Selection(), dry_run=True)
+        )
+    assert (retry.count, retry.delivering) == (100, 0)
+    assert (cancel.count, cancel.delivering) == (400, 50)
+    assert retry_read["recipient"].seq_scan == 0, retry_read["recipient"]
+    assert cancel_read["recipient"].seq_scan == 0, cancel_read["recipient"]
+
+
+async def test_queue_list_reads_only_the_live_rows_it_shows(big: asyncpg.Connection) -> None:
+    async with big.transaction():
+        rows, read = await reads_of(
+            big, lambda: admin_queue.list_recipients(big, Selection(), limit=20)
+        )
+        deferred, deferred_read = await reads_of(
+            big,
+            lambda: admin_queue.list_recipients(
+                big, Selection(statuses=("deferred",), domain="slow.example"), limit=20
+            ),
+        )
+    oldest = await big.fetch(
+        """SELECT id FROM recipient WHERE status IN ('queued', 'delivering')
+           ORDER BY created_at, id LIMIT 20"""
+    )
+    assert [r.id for r in rows] == [r["id"] for r in oldest]
+    assert len(deferred) == 20 and {r.address.split("@")[1] for r in deferred} == {"slow.example"}
+    for recipient in (read["recipient"], deferred_read["recipient"]):
+        assert recipient.seq_scan == 0, recipient
+        assert recipient.rows < 200, recipient
+
+
+async def test_log_of_an_address_reads_its_newest_messages_only(
+    big: asyncpg.Connection,
+) -> None:
+    async with big.transaction():
+        lookup, read = await reads_of(
+            big, lambda: events.find_stories(big, "Hot@Example.NET", limit=10)
+        )
+    assert lookup is not None and lookup.found_by == "recipient address"
+    newest = await big.fetch(
+        "SELECT message_id FROM recipient WHERE address = $1 ORDER BY created_at DESC LIMIT 10",
+        HOT,
+    )
+    assert {s.message.id for s in lookup.stories} == {r["message_id"] for r in newest}
+    # The address has 2,000 messages; ten of them (and their recipients) are read.
+    assert read["recipient"].rows < 200, read["recipient"]
