@@ -8,7 +8,8 @@
 -- index each lookup read the whole suppression list, and one purge batch of 1,000 messages ran
 -- into the 10 s statement_timeout. Only entries made by a bounce point at an attempt; the lookup's
 -- "attempt_id = $1" implies the predicate, so it uses this index.
-CREATE INDEX IF NOT EXISTS suppression_attempt ON suppression (attempt_id) WHERE attempt_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS suppression_attempt ON suppression (attempt_id)
+    WHERE attempt_id IS NOT NULL;
 
 -- `suppress list` shows the newest entries first (ORDER BY created_at DESC, address LIMIT n):
 -- read in this order instead of sorting the whole list.
