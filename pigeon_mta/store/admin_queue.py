@@ -151,8 +151,11 @@ async def bulk_action(
             if action == "retry" and count:
                 # Wake idle workers now rather than at their next poll (sent on commit).
                 await db.execute("SELECT pg_notify($1, '')", NOTIFY_CHANNEL)
+        # lease_until is set exactly while a row is being delivered (migration 0006); saying so
+        # lets the count read recipient_leased instead of scanning the table for the status.
         delivering = await db.fetchval(
-            f"SELECT count(*) FROM recipient r WHERE {busy_where}", *busy_params
+            f"SELECT count(*) FROM recipient r WHERE {busy_where} AND r.lease_until IS NOT NULL",
+            *busy_params,
         )
     return ActionResult(action, dry_run, int(count), int(delivering))
 
@@ -221,12 +224,14 @@ async def list_recipients(
     statuses = selection.statuses or (Status.QUEUED, Status.DELIVERING)
     where = selection.where(params, statuses=statuses)
     params.append(limit)
+    # The LIMIT is taken on recipient alone, before the joins: the live rows in order come from
+    # recipient_live (migration 0012), and only the rows shown are joined.
     rows = await db.fetch(
         f"""SELECT {_ROW_COLUMNS}
-            FROM recipient r JOIN message m ON m.id = r.message_id JOIN org o ON o.id = r.org_id
-            WHERE {where}
-            ORDER BY r.created_at, r.id
-            LIMIT ${len(params)}""",
+            FROM (SELECT * FROM recipient r WHERE {where}
+                  ORDER BY r.created_at, r.id LIMIT ${len(params)}) r
+            JOIN message m ON m.id = r.message_id JOIN org o ON o.id = r.org_id
+            ORDER BY r.created_at, r.id""",
         *params,
     )
     return [_recipient_row(r) for r in rows]
