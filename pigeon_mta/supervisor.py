@@ -72,6 +72,44 @@ class Supervisor:
     child_pids: set[int] = field(default_factory=set)
 
     async def serve(self, processes: int | None, run: node.NodeRun, lock: node.DataDirLock) -> int:
+        """Run the node until SIGTERM/SIGINT, or until a part of it ends on its own; the exit
+        status (0: a clean stop)."""
+        settings = self.settings
+        url, count = await self._start(processes, run, lock)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.on_signal, sig, stop)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
+
+        async with app.node_parts(settings, url, run, count, stop) as parts:
+            maintenance = Maintenance(
+                settings,
+                parts.pool,
+                on_stats=publish_queue_stats,
+                on_expired=lambda expired: log_expiries(parts.pool, parts.delivery_log, expired),
+            )
+            tasks = [asyncio.create_task(maintenance.run(stop), name="maintenance")]
+            if count == 1:
+                tasks.append(
+                    asyncio.create_task(
+                        self.run_worker(url, 0, stop, run.lease_owner), name="worker"
+                    )
+                )
+            else:
+                tasks.append(
+                    asyncio.create_task(
+                        self.supervise_children(url, count, stop, parts.exposition, run.lease_owner)
+                    )
+                )
+            failed, parts.heartbeat.clean_stop = await self._until_stopped(tasks, stop)
+        log.info("stopped")
+        return 1 if failed or parts.heartbeat.displaced else 0
+
+    async def _start(
+        self, processes: int | None, run: node.NodeRun, lock: node.DataDirLock
+    ) -> tuple[str, int]:
+        """Find and prepare the database, say what this run serves; its URL and process count."""
         from pigeon_mta.config_review import config_warnings, routing_summary
 
         settings = self.settings
@@ -89,61 +127,36 @@ class Supervisor:
             settings.source,
         )
         log.info("delivery: %s", routing_summary(settings))
+        return location.url, count
 
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.on_signal, sig, stop)
-        loop.add_signal_handler(signal.SIGHUP, self.reload)
-
-        async with app.node_parts(settings, location.url, run, count, stop) as parts:
-            maintenance = Maintenance(
-                settings,
-                parts.pool,
-                on_stats=publish_queue_stats,
-                on_expired=lambda expired: log_expiries(parts.pool, parts.delivery_log, expired),
+    async def _until_stopped(
+        self, tasks: list[asyncio.Task[None]], stop: asyncio.Event
+    ) -> tuple[bool, bool]:
+        """Wait for `stop`, or for a task to end on its own, then drain the tasks: whether one
+        failed, and whether all ended within the drain time."""
+        stopper = asyncio.create_task(stop.wait(), name="stop")
+        await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        failed = [t for t in tasks if t.done() and t.exception() is not None]
+        if not stop.is_set():
+            # A part of the node died on its own (e.g. a listener could not bind): stop the rest
+            # and exit non-zero, so that systemd's Restart=on-failure sees it.
+            log.error(
+                "stopping: %s ended unexpectedly",
+                ", ".join(t.get_name() for t in tasks if t.done()),
             )
-            tasks = [asyncio.create_task(maintenance.run(stop), name="maintenance")]
-            if count == 1:
-                tasks.append(
-                    asyncio.create_task(
-                        self.run_worker(location.url, 0, stop, run.lease_owner), name="worker"
-                    )
-                )
-            else:
-                tasks.append(
-                    asyncio.create_task(
-                        self.supervise_children(
-                            location.url, count, stop, parts.exposition, run.lease_owner
-                        )
-                    )
-                )
-            stopper = asyncio.create_task(stop.wait(), name="stop")
-            await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            failed = [t for t in tasks if t.done() and t.exception() is not None]
-            if not stop.is_set():
-                # A part of the node died on its own (e.g. a listener could not bind): stop the
-                # rest and exit non-zero, so that systemd's Restart=on-failure sees it.
-                log.error(
-                    "stopping: %s ended unexpectedly",
-                    ", ".join(t.get_name() for t in tasks if t.done()),
-                )
-                stop.set()
-            log.info(
-                "stopping: draining in-flight work (up to %gs)", settings.server.shutdown_timeout
-            )
-            done, pending = await asyncio.wait(tasks, timeout=settings.server.shutdown_timeout + 10)
-            stopper.cancel()
-            parts.heartbeat.clean_stop = not pending
-            for task in pending:
-                task.cancel()
-            for task in done:
-                if task.exception() is not None:
-                    log.error("%s ended with an error: %s", task.get_name(), task.exception())
-                    if task not in failed:
-                        failed.append(task)
-        log.info("stopped")
-        return 1 if failed or parts.heartbeat.displaced else 0
+            stop.set()
+        timeout = self.settings.server.shutdown_timeout
+        log.info("stopping: draining in-flight work (up to %gs)", timeout)
+        done, pending = await asyncio.wait(tasks, timeout=timeout + 10)
+        stopper.cancel()
+        for task in pending:
+            task.cancel()
+        for task in done:
+            if task.exception() is not None:
+                log.error("%s ended with an error: %s", task.get_name(), task.exception())
+                if task not in failed:
+                    failed.append(task)
+        return bool(failed), not pending
 
     def on_signal(self, sig: signal.Signals, stop: asyncio.Event) -> None:
         log.info("received %s", sig.name)
