@@ -1,6 +1,6 @@
 """The `pigeon-mta` command: argument parsing and error reporting only; the work is elsewhere.
 
-Only the chosen command's module is imported. The service's modules (the app, uvloop,
+Only the chosen command's module is imported. The service's modules (the supervisor, uvloop,
 prometheus_client) and the DKIM command's (dkimpy, dnspython, cryptography) cost more than
 everything an admin command such as `queue` or `log` needs, and `--version` needs none of them
 (bench/README.md, "CLI start-up").
@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         if args.command == "serve":
-            from pigeon_mta.app import use_uvloop
+            from pigeon_mta.supervisor import use_uvloop
 
             use_uvloop()
         return int(asyncio.run(args.handler(args)) or 0)

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pigeon_mta import app
+from pigeon_mta import supervisor
 from pigeon_mta.commands.common import (
     add_common,
     eprint,
@@ -39,7 +39,7 @@ def register(sub: Any) -> None:
 
 async def cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    return await app.serve(settings, processes=args.processes)
+    return await supervisor.serve(settings, processes=args.processes)
 
 
 async def cmd_migrate(args: argparse.Namespace) -> int:

@@ -16,7 +16,15 @@ import pytest
 from tests.conftest import REPO
 
 # The service's modules and the DKIM command's: most of what the command cost to start.
-HEAVY = ("pigeon_mta.app", "prometheus_client", "uvloop", "pigeon_mta.commands.dkim", "dkim")
+HEAVY = (
+    "pigeon_mta.supervisor",
+    "pigeon_mta.app",
+    "pigeon_mta.maintenance",
+    "prometheus_client",
+    "uvloop",
+    "pigeon_mta.commands.dkim",
+    "dkim",
+)
 
 _PROBE = f"""
 import json, sys

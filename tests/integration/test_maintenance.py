@@ -7,8 +7,8 @@ import uuid
 
 import asyncpg
 
-from pigeon_mta.app import Maintenance
 from pigeon_mta.config import BounceSettings, DeliverySettings, Duration, Settings
+from pigeon_mta.maintenance import Maintenance
 from pigeon_mta.store.queue import ExpiredRecipient
 from tests.integration.queue_helpers import bulk_queue
 

@@ -1,0 +1,145 @@
+"""Queue maintenance, one set per node: the lease sweeper, expiry, delay warnings, retention, stats.
+
+Cheap periodic queries that the supervisor runs beside the worker processes. What follows from them
+comes in as hooks: the queue gauges, and the delivery-log records of expiries (`log_expiries`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import asyncpg
+
+from pigeon_mta import metrics, notices
+from pigeon_mta.config import Settings
+from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.store import events as store_events
+from pigeon_mta.store import queue as store_queue
+from pigeon_mta.store.connect import DB_ERRORS
+
+# Logged under the name of the command it runs in: the name is a field of every log line.
+log = logging.getLogger("pigeon_mta.serve")
+
+
+# Expired recipients kept for the delivery log while the database cannot be read, at most.
+MAX_UNLOGGED_EXPIRIES = 100_000
+
+
+@dataclass
+class Maintenance:
+    """Lease sweeper, expiry, delay warnings, retention and queue stats: cheap periodic queries,
+    one set per node."""
+
+    settings: Settings
+    pool: asyncpg.Pool
+    on_stats: Callable[[store_queue.QueueStats], None] = lambda _s: None
+    on_expired: Callable[[list[store_queue.ExpiredRecipient]], Awaitable[None]] | None = None
+    last_stats: store_queue.QueueStats | None = None
+    healthy: bool = True
+    _warned: bool = field(default=False, repr=False)
+    # Expired recipients whose delivery-log records are not written yet (the read failed): tried
+    # again every round until written, so a database blip does not lose Expiration records.
+    _unlogged: list[store_queue.ExpiredRecipient] = field(default_factory=list, repr=False)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        delivery = self.settings.delivery
+        interval = min(delivery.sweep_interval, self.settings.metrics.stats_interval)
+        next_sweep = 0.0
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            now = loop.time()
+            try:
+                if now >= next_sweep:
+                    await self.sweep_once()
+                    next_sweep = now + delivery.sweep_interval
+                self.last_stats = await store_queue.queue_stats(self.pool)
+                self.on_stats(self.last_stats)
+                if not self.healthy:
+                    log.info("database reachable again")
+                self.healthy = True
+            except DB_ERRORS as exc:
+                if self.healthy:
+                    log.warning("queue maintenance cannot reach the database: %s", exc)
+                self.healthy = False
+            except Exception:
+                # Sweeping, expiry and stats must outlive a bug in one round.
+                log.exception("queue maintenance round failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+
+    async def sweep_once(self) -> None:
+        requeued = await store_queue.requeue_expired_leases(self.pool)
+        if requeued:
+            log.warning(
+                "lease sweeper: %d recipient(s) whose lease ran out are queued again", requeued
+            )
+        # Expiry and the DSNs it owes the senders commit together (notices.py).
+        expired = (
+            await notices.expire_and_bounce(
+                self.pool,
+                max_age=self.settings.delivery.max_age,
+                max_age_text=format_duration(self.settings.delivery.max_age),
+                hostname=self.settings.server.hostname,
+            )
+        ).recipients
+        if expired:
+            log.warning("expiry: %d recipient(s) passed delivery.max_age and expired", len(expired))
+            if self.on_expired is not None:
+                self._unlogged.extend(expired)
+                if len(self._unlogged) > MAX_UNLOGGED_EXPIRIES:
+                    dropped = len(self._unlogged) - MAX_UNLOGGED_EXPIRIES
+                    del self._unlogged[:dropped]
+                    log.error(
+                        "expiry: %d Expiration record(s) will not reach the delivery log (the "
+                        "database has them: pigeon-mta log)",
+                        dropped,
+                    )
+        if self._unlogged and self.on_expired is not None:
+            await self.on_expired(self._unlogged)
+            self._unlogged = []
+        warn_after = self.settings.bounces.delay_warning_after
+        if warn_after > 0:
+            warned = await notices.warn_delayed(
+                self.pool,
+                after=warn_after,
+                max_age=self.settings.delivery.max_age,
+                hostname=self.settings.server.hostname,
+            )
+            if warned.recipients:
+                log.info(
+                    "delay warnings: %d recipient(s) still retried after %s; %d warning(s) "
+                    "queued for their senders",
+                    warned.recipients,
+                    format_duration(warn_after),
+                    len(warned.warnings),
+                )
+        keep = self.settings.retention.messages
+        if keep > 0:
+            purged = await store_queue.purge_finished_messages(self.pool, older_than=keep)
+            if purged:
+                log.info(
+                    "retention: deleted %d finished message(s) older than %s",
+                    purged,
+                    format_duration(keep),
+                )
+
+
+def format_duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+async def log_expiries(
+    pool: asyncpg.Pool, delivery_log: DeliveryLog, expired: list[store_queue.ExpiredRecipient]
+) -> None:
+    """Recipients the sweeper expired: written to the delivery log, and counted. The read comes
+    first: if it fails, nothing is counted, and the maintenance loop calls again next round."""
+    stories = await store_events.expiry_stories(pool, [e.recipient_id for e in expired])
+    metrics.DELIVERIES.labels(outcome="expired").inc(len(expired))
+    delivery_log.stories(stories)
