@@ -36,7 +36,6 @@ from pathlib import Path
 
 import asyncpg
 
-from pigeon_mta.commands.common import CliError
 from pigeon_mta.store import nodes as store_nodes
 from pigeon_mta.store.connect import DB_ERRORS
 
@@ -47,8 +46,9 @@ STALE_AFTER = 6 * HEARTBEAT_INTERVAL
 LOCK_FILE = "serve.lock"
 
 
-class ServeRefused(CliError):
-    """`serve` must not start (another one runs on this data_dir or under this node name)."""
+class ServeRefused(Exception):
+    """`serve` must not start (another one runs on this data_dir or under this node name); the
+    message is one sentence for the operator."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from typing import Any
 
 from pigeon_mta import supervisor
 from pigeon_mta.commands.common import (
+    CliError,
     add_common,
     eprint,
     open_database,
@@ -38,8 +39,13 @@ def register(sub: Any) -> None:
 
 
 async def cmd_serve(args: argparse.Namespace) -> int:
+    from pigeon_mta.node import ServeRefused
+
     settings = settings_from(args)
-    return await supervisor.serve(settings, processes=args.processes)
+    try:
+        return await supervisor.serve(settings, processes=args.processes)
+    except ServeRefused as exc:
+        raise CliError(str(exc)) from None
 
 
 async def cmd_migrate(args: argparse.Namespace) -> int:
