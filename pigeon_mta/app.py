@@ -15,7 +15,8 @@ from typing import Protocol
 import asyncpg
 
 from pigeon_mta import metrics, node
-from pigeon_mta.config import ConfigError, Settings
+from pigeon_mta.config import Settings
+from pigeon_mta.config_loader import ConfigError
 from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.observability.exposition import MetricsExposition, MultiprocessSetupError
 from pigeon_mta.observability.health import Readiness

@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(chosen_command(argv)).parse_args(argv)
 
     from pigeon_mta.commands.common import CliError, eprint
-    from pigeon_mta.config import ConfigError
+    from pigeon_mta.config_loader import ConfigError
     from pigeon_mta.logs import setup_logging
     from pigeon_mta.store.connect import DatabaseUnavailable
 

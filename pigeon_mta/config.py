@@ -1,31 +1,20 @@
-"""Settings: TOML file + environment -> one frozen, validated `Settings` value.
+"""The settings schema: every option as a frozen dataclass field, with its default beside it.
 
-Every option lives here as a dataclass field with its default beside it. The loader walks the
-dataclasses, so adding an option is adding a field; an unknown key, a wrong type, a bad duration or
-a bad address is a `ConfigError` whose message names the key.
+Options are typed with the value types below (`Duration`, `HostPort`, `Network`), each of which
+parses its own config text. config_loader.py fills these dataclasses from the TOML file and the
+environment by walking their fields, so adding an option is adding a field here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import math
 import os
 import re
 import socket
-import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
-
-ENV_CONFIG = "PIGEON_CONFIG"
-ENV_DATABASE_URL = "PIGEON_DATABASE_URL"
-
-
-class ConfigError(Exception):
-    """A configuration problem, worded as one sentence for the operator."""
+from typing import Literal
 
 
 class Duration(float):
@@ -122,6 +111,21 @@ class Network(str):
             return cls(str(ipaddress.ip_network(value.strip(), strict=False)))
         except ValueError:
             raise ValueError(f"{value!r} is not a network like 10.0.0.0/8") from None
+
+
+def nameserver_address(value: str) -> HostPort:
+    """A `dns.nameservers` entry: "ip" (port 53), "ip:port" or "[v6]:port"."""
+    try:
+        return HostPort(str(ipaddress.ip_address(value.strip())), 53)
+    except ValueError:
+        hp = HostPort.parse(value, default_port=53)
+        ipaddress.ip_address(hp.host)
+        return hp
+
+
+def route_target(value: str, default_port: int = 25) -> HostPort:
+    """Parse a route or relayhost value already validated by load_settings."""
+    return HostPort.parse(value, default_port=default_port)
 
 
 def _default_data_dir() -> str:
@@ -400,313 +404,3 @@ class Settings:
     log: LogSettings = field(default_factory=LogSettings)
     # Where the settings came from, for messages ("built-in defaults" or a path).
     source: str = "built-in defaults"
-
-
-# Fields that are not read from the file.
-_INTERNAL_FIELDS = {"source"}
-
-
-# ---------------------------------------------------------------- loading
-
-
-def load_settings(
-    path: str | Path | None = None, env: typing.Mapping[str, str] | None = None
-) -> Settings:
-    """Read `path` (else $PIGEON_CONFIG, else defaults), apply environment overrides, validate."""
-    env = os.environ if env is None else env
-    chosen = str(path) if path else env.get(ENV_CONFIG, "")
-    data: dict[str, Any] = {}
-    source = "built-in defaults"
-    if chosen:
-        try:
-            with open(chosen, "rb") as handle:
-                data = tomllib.load(handle)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {chosen} does not exist") from None
-        except PermissionError:
-            raise ConfigError(f"config file {chosen} is not readable") from None
-        except IsADirectoryError:
-            raise ConfigError(f"config file {chosen} is a directory, not a file") from None
-        except UnicodeDecodeError:
-            # TOML is UTF-8 (TOML 1.0 "Spec"); tomllib lets the decoding error through.
-            raise ConfigError(f"config file {chosen} is not UTF-8 text") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {chosen} is not valid TOML: {exc}") from None
-        except OSError as exc:
-            raise ConfigError(f"config file {chosen} cannot be read: {exc.strerror}") from None
-        source = chosen
-    settings = _build(Settings, data, "")
-    url = env.get(ENV_DATABASE_URL, "")
-    if url:
-        settings = dataclasses.replace(
-            settings, database=dataclasses.replace(settings.database, url=url)
-        )
-    settings = dataclasses.replace(settings, source=source)
-    _check(settings)
-    assert isinstance(settings, Settings)
-    return settings
-
-
-def settings_schema_keys(cls: type = Settings, prefix: str = "") -> list[str]:
-    """Every dotted key the file may set (used to check that the example config documents all)."""
-    keys: list[str] = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in _INTERNAL_FIELDS:
-            continue
-        name = f"{prefix}{f.name}"
-        inner = _dataclass_of(hints[f.name])
-        if inner is not None:
-            keys.extend(settings_schema_keys(inner, name + "."))
-        else:
-            keys.append(name)
-    return keys
-
-
-def _dataclass_of(tp: Any) -> type | None:
-    if dataclasses.is_dataclass(tp) and isinstance(tp, type) and tp is not HostPort:
-        return tp
-    if typing.get_origin(tp) is tuple:
-        args = typing.get_args(tp)
-        if args and dataclasses.is_dataclass(args[0]) and args[0] is not HostPort:
-            return typing.cast(type, args[0])
-    return None
-
-
-def _build(cls: type, data: Any, path: str) -> Any:
-    where = path or "the top level"
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be a table")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in _INTERNAL_FIELDS}
-    for key in data:
-        if key not in fields:
-            known = ", ".join(sorted(fields))
-            raise ConfigError(f"unknown key '{path}{key}' (known keys here: {known})")
-    values: dict[str, Any] = {}
-    for name, f in fields.items():
-        key = f"{path}{name}"
-        if name in data:
-            values[name] = _convert(hints[name], data[name], key)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"missing key '{key}'")
-    return cls(**values)
-
-
-def _convert(tp: Any, value: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    try:
-        if tp is Duration:
-            return Duration.parse(value)
-        if tp is HostPort:
-            return HostPort.parse(value)
-        if tp is Network:
-            return Network.parse(value)
-        if dataclasses.is_dataclass(tp):
-            return _build(typing.cast(type, tp), value, key + ".")
-        if origin is Literal:
-            choices = typing.get_args(tp)
-            if value not in choices:
-                raise ValueError(f"{value!r} is not one of {', '.join(map(str, choices))}")
-            return value
-        if origin is tuple:
-            item_type = typing.get_args(tp)[0]
-            if not isinstance(value, list):
-                raise ValueError("expected a list")
-            return tuple(_convert(item_type, item, f"{key}[{i}]") for i, item in enumerate(value))
-        if origin is dict:
-            if not isinstance(value, dict):
-                raise ValueError("expected a table")
-            value_type = typing.get_args(tp)[1]
-            return {str(k): _convert(value_type, v, f"{key}.{k}") for k, v in value.items()}
-        if origin in (typing.Union, types.UnionType):
-            return value
-        if tp is bool:
-            if not isinstance(value, bool):
-                raise ValueError("expected true or false")
-            return value
-        if tp is int:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError("expected a whole number")
-            if value < 0:
-                raise ValueError("expected a number that is not negative")
-            if value >= 2**63:  # PostgreSQL's bigint, and far beyond any sensible setting
-                raise ValueError("expected a number below 2**63")
-            return value
-        if tp is float:
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError("expected a number")
-            if (isinstance(value, int) and abs(value) > 2**53) or not math.isfinite(value):
-                raise ValueError("expected a finite number")
-            return float(value)
-        if tp is str:
-            if not isinstance(value, str):
-                raise ValueError("expected a string")
-            return value
-    except ConfigError:
-        raise
-    except ValueError as exc:
-        raise ConfigError(f"bad value for '{key}': {exc}") from None
-    raise ConfigError(f"'{key}' has a type the loader does not know ({tp})")
-
-
-def _check(settings: Settings) -> None:
-    """Rules that span fields."""
-    _check_names(settings.server)
-    if "/" in settings.server.node_name:
-        # A lease owner is "<node_name>/<run id>": the name must not look like a prefix of another.
-        raise ConfigError(f"'server.node_name' must not contain '/': {settings.server.node_name!r}")
-    _check_intervals(settings)
-    names = [listener.name for listener in settings.listener]
-    for name in names:
-        if names.count(name) > 1:
-            raise ConfigError(f"listener name '{name}' is used twice")
-    for listener in settings.listener:
-        if bool(listener.tls_cert) != bool(listener.tls_key):
-            raise ConfigError(
-                f"listener '{listener.name}': set both tls_cert and tls_key, or neither"
-            )
-    _check_submission(settings)
-    delivery = settings.delivery
-    if delivery.retry_initial <= 0:
-        raise ConfigError("'delivery.retry_initial' must be more than zero")
-    if delivery.retry_max < delivery.retry_initial:
-        raise ConfigError("'delivery.retry_max' must not be less than 'delivery.retry_initial'")
-    if delivery.lease < 5:
-        raise ConfigError("'delivery.lease' must be at least 5s")
-    if delivery.batch_size < 1:
-        raise ConfigError("'delivery.batch_size' must be at least 1")
-    if delivery.relayhost:
-        _check_host_port(delivery.relayhost, "delivery.relayhost", default_port=25)
-    _check_outbound(delivery)
-    for domain, target in delivery.routes.items():
-        _check_host_port(target, f"delivery.routes.{domain}", default_port=25)
-    for i, ns in enumerate(settings.dns.nameservers):
-        try:
-            nameserver_address(ns)
-        except ValueError:
-            raise ConfigError(
-                f"bad value for 'dns.nameservers[{i}]': {ns!r} is not an IP address or ip:port"
-            ) from None
-    if settings.database.pool_size < 1:
-        raise ConfigError("'database.pool_size' must be at least 1")
-    warn_after = settings.bounces.delay_warning_after
-    if warn_after < 0 or (warn_after > 0 and warn_after >= delivery.max_age):
-        raise ConfigError(
-            "'bounces.delay_warning_after' must be 0 (no warnings) or less than "
-            "'delivery.max_age' (the recipient expires then)"
-        )
-
-
-# A host name as EHLO, Message-IDs and bounce senders use it: letters, digits, dots, hyphens
-# (RFC 5321 4.1.2 Domain; underscores too, which container hosts are often named with).
-_HOSTNAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,251}[A-Za-z0-9_])?")
-
-
-def _check_names(server: ServerSettings) -> None:
-    if not _HOSTNAME.fullmatch(server.hostname):
-        raise ConfigError(
-            f"bad value for 'server.hostname': {server.hostname!r} is not a host name "
-            "(letters, digits, dots and hyphens, like mta.example.com)"
-        )
-    if not server.node_name.strip() or not server.node_name.isprintable():
-        raise ConfigError(
-            f"bad value for 'server.node_name': {server.node_name!r} must be a non-empty name "
-            "without control characters"
-        )
-
-
-# Durations for which zero makes no sense: a loop that waits this long between rounds would spin
-# (stats_interval = 0 kept a core busy), and a zero timeout fails every operation at once.
-_MORE_THAN_ZERO = (
-    "database.connect_timeout",
-    "database.statement_timeout",
-    "delivery.max_age",
-    "delivery.poll_interval",
-    "delivery.sweep_interval",
-    "dns.timeout",
-    "metrics.stats_interval",
-)
-
-
-def _check_intervals(settings: Settings) -> None:
-    for key in _MORE_THAN_ZERO:
-        section, name = key.split(".")
-        if getattr(getattr(settings, section), name) <= 0:
-            raise ConfigError(f"'{key}' must be more than zero")
-    # PostgreSQL takes statement_timeout in milliseconds as a 32-bit integer.
-    if settings.database.statement_timeout * 1000 > 2**31 - 1:
-        raise ConfigError("'database.statement_timeout' must be at most 24d")
-
-
-def _check_outbound(delivery: DeliverySettings) -> None:
-    for key in (
-        "concurrency",
-        "destination_concurrency",
-        "max_connections_per_host",
-        "max_messages_per_connection",
-    ):
-        if getattr(delivery, key) < 1:
-            raise ConfigError(f"'delivery.{key}' must be at least 1")
-    for key in ("connect_timeout", "command_timeout", "data_timeout"):
-        if getattr(delivery, key) <= 0:
-            raise ConfigError(f"'delivery.{key}' must be more than zero")
-    if bool(delivery.relayhost_username) != bool(delivery.relayhost_password):
-        raise ConfigError(
-            "set both 'delivery.relayhost_username' and 'delivery.relayhost_password', or neither"
-        )
-    if delivery.relayhost_username and delivery.relayhost_tls not in ("required", "verify"):
-        raise ConfigError(
-            "'delivery.relayhost_tls' must be verify when 'delivery.relayhost_username' is set "
-            "(a password is never sent in plaintext)"
-        )
-    if (
-        delivery.relayhost_username
-        and delivery.relayhost_tls != "verify"
-        and not delivery.relayhost_auth_insecure
-    ):
-        raise ConfigError(
-            "'delivery.relayhost_tls' must be verify when 'delivery.relayhost_username' is set "
-            "(required takes any certificate, so a man in the middle would collect the password; "
-            "'delivery.relayhost_auth_insecure = true' allows it anyway)"
-        )
-    for pattern, dest in delivery.destination.items():
-        if dest.rate < 0:
-            raise ConfigError(f"'delivery.destination.{pattern}.rate' must not be negative")
-
-
-def _check_submission(settings: Settings) -> None:
-    addresses = [str(listener.address) for listener in settings.listener]
-    for listener in settings.listener:
-        # SO_REUSEPORT would let both bind, and split the connections between them.
-        if listener.address.port and addresses.count(str(listener.address)) > 1:
-            raise ConfigError(f"two listeners use the address {listener.address}")
-    limits = settings.limits
-    for key in ("command_timeout", "data_timeout", "auth_failure_window", "credential_rate_window"):
-        if getattr(limits, key) <= 0:
-            raise ConfigError(f"'limits.{key}' must be more than zero")
-    for key in ("max_from_addresses", "max_from_length"):
-        if getattr(limits, key) < 1:
-            raise ConfigError(f"'limits.{key}' must be at least 1")
-
-
-def _check_host_port(value: str, key: str, default_port: int) -> None:
-    try:
-        HostPort.parse(value, default_port=default_port)
-    except ValueError as exc:
-        raise ConfigError(f"bad value for '{key}': {exc}") from None
-
-
-def nameserver_address(value: str) -> HostPort:
-    """A `dns.nameservers` entry: "ip" (port 53), "ip:port" or "[v6]:port"."""
-    try:
-        return HostPort(str(ipaddress.ip_address(value.strip())), 53)
-    except ValueError:
-        hp = HostPort.parse(value, default_port=53)
-        ipaddress.ip_address(hp.host)
-        return hp
-
-
-def route_target(value: str, default_port: int = 25) -> HostPort:
-    """Parse a route or relayhost value already validated by load_settings."""
-    return HostPort.parse(value, default_port=default_port)

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from pigeon_mta.config import load_settings
+from pigeon_mta.config_loader import load_settings
 from pigeon_mta.observability.exposition import MetricsExposition
 from tests.conftest import REPO
 from tests.observe_helpers import promtool

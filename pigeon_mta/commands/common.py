@@ -13,7 +13,8 @@ from typing import Any
 
 import asyncpg
 
-from pigeon_mta.config import Settings, load_settings
+from pigeon_mta.config import Settings
+from pigeon_mta.config_loader import load_settings
 from pigeon_mta.logs import printable
 from pigeon_mta.redaction import redact
 from pigeon_mta.store import connect as store_connect

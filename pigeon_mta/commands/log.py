@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pigeon_mta.commands.common import CliError, add_common, format_age, open_database, print_rows
-from pigeon_mta.deliverylog import story_records, to_json_line
+from pigeon_mta.delivery_records import story_records, to_json_line
 from pigeon_mta.logs import printable
 from pigeon_mta.model import EVENT_TYPE, Outcome
 from pigeon_mta.store import events as store_events

@@ -16,7 +16,8 @@ from pigeon_mta.commands.common import (
     print_object,
     settings_from,
 )
-from pigeon_mta.config import Settings, load_settings
+from pigeon_mta.config import Settings
+from pigeon_mta.config_loader import load_settings
 from pigeon_mta.redaction import redact
 
 

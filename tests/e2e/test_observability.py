@@ -21,7 +21,7 @@ import asyncpg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pigeon_mta.deliverylog import EVENT_FIELDS
+from pigeon_mta.delivery_records import EVENT_FIELDS
 from tests.conftest import free_port
 from tests.e2e.serve_process import ServeProcess, write_config
 from tests.integration.queue_helpers import bulk_queue

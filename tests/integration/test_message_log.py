@@ -12,7 +12,8 @@ from typing import Any
 
 import asyncpg
 
-from pigeon_mta.deliverylog import EVENT_FIELDS, DeliveryLog
+from pigeon_mta.delivery_records import EVENT_FIELDS
+from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
 from pigeon_mta.outbound.outcome import apply_outcomes
 from pigeon_mta.store.queue import enqueue, record_attempts

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pigeon_mta.config import ConfigError, Duration, HostPort, load_settings, settings_schema_keys
+from pigeon_mta.config import Duration, HostPort
+from pigeon_mta.config_loader import ConfigError, load_settings, settings_schema_keys
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pigeon_mta.config import ConfigError, load_settings
+from pigeon_mta.config_loader import ConfigError, load_settings
 from tests.conftest import run_pigeon
 
 

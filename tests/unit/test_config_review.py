@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pigeon_mta.config import Settings, load_settings
+from pigeon_mta.config import Settings
+from pigeon_mta.config_loader import load_settings
 from pigeon_mta.config_review import config_warnings, routing_summary
 from tests.conftest import run_pigeon
 

@@ -16,12 +16,8 @@ from pathlib import Path
 from prometheus_client import REGISTRY
 
 from pigeon_mta import deliverylog
-from pigeon_mta.deliverylog import (
-    EVENT_FIELDS,
-    DeliveryLog,
-    attempt_records,
-    reception_records,
-)
+from pigeon_mta.delivery_records import EVENT_FIELDS, attempt_records, reception_records
+from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.model import AttemptResult, ClaimedRecipient, Delivery, Envelope, Outcome, Reply
 from tests.conftest import REPO
 
@@ -170,7 +166,8 @@ WRITER = textwrap.dedent(
     """
     import sys, uuid
     from datetime import UTC, datetime
-    from pigeon_mta.deliverylog import DeliveryLog, event_record
+    from pigeon_mta.deliverylog import DeliveryLog
+    from pigeon_mta.delivery_records import event_record
     log = DeliveryLog.open(sys.argv[1])
     who = sys.argv[2]
     for batch in range(60):

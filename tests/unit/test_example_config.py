@@ -6,7 +6,7 @@ import re
 import tomllib
 from typing import Any
 
-from pigeon_mta.config import load_settings, settings_schema_keys
+from pigeon_mta.config_loader import load_settings, settings_schema_keys
 from tests.conftest import REPO, run_pigeon
 
 EXAMPLE = REPO / "config" / "pigeon.toml"

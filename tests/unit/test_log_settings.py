@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pigeon_mta.config import ConfigError, load_settings
+from pigeon_mta.config_loader import ConfigError, load_settings
 
 
 def load(tmp_path: Path, text: str) -> object:

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pigeon_mta.config import ConfigError, DestinationSettings, Settings, load_settings
+from pigeon_mta.config import DestinationSettings, Settings
+from pigeon_mta.config_loader import ConfigError, load_settings
 from pigeon_mta.config_review import config_warnings
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pigeon_mta.config import load_settings
+from pigeon_mta.config_loader import load_settings
 from pigeon_mta.redaction import redact
 from pigeon_mta.store.connect import locate_database
 from tests.conftest import run_pigeon
