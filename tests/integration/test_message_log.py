@@ -15,7 +15,8 @@ import asyncpg
 from pigeon_mta.deliverylog import EVENT_FIELDS, DeliveryLog
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
 from pigeon_mta.outbound.outcome import apply_outcomes
-from pigeon_mta.store.queue import enqueue, record_attempts
+from pigeon_mta.store.leases import record_attempts
+from pigeon_mta.store.queue import enqueue
 from tests.conftest import run_pigeon
 from tests.integration.queue_helpers import claim
 
