@@ -37,7 +37,7 @@ import asyncpg
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pigeon_mta.config import Settings
-from pigeon_mta.store import admin_queue, events, queue, suppression
+from pigeon_mta.store import admin_queue, events, suppression, upkeep
 from pigeon_mta.store.admin_queue import Selection
 from pigeon_mta.store.connect import server_settings
 from pigeon_mta.store.migrate import migrate
@@ -214,7 +214,7 @@ async def purge_batch(conn: asyncpg.Connection) -> int:
     tx = conn.transaction()
     await tx.start()
     try:
-        purged = await queue.purge_finished_messages(conn, older_than=RETENTION, limit=1000)
+        purged = await upkeep.purge_finished_messages(conn, older_than=RETENTION, limit=1000)
     finally:
         await tx.rollback()
     if purged != 1000:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from pigeon_mta.store.migrate import migrate  # noqa: E402
 from pigeon_mta.store.orgs import ensure_org  # noqa: E402
-from pigeon_mta.store.queue import queue_stats  # noqa: E402
+from pigeon_mta.store.upkeep import queue_stats  # noqa: E402
 
 ADMIN_URL = os.environ.get(
     "PIGEON_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"

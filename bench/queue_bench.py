@@ -30,7 +30,7 @@ from pigeon_mta.config import Settings
 from pigeon_mta.ids import new_id
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
 from pigeon_mta.outbound.claims import group_deliveries
-from pigeon_mta.store import queue
+from pigeon_mta.store import leases, queue
 from pigeon_mta.store.connect import server_settings
 from pigeon_mta.store.group_commit import MAX_COMMITS, GroupCommit
 from pigeon_mta.store.migrate import migrate
@@ -186,7 +186,7 @@ async def claim_record(
 
     async def run(i: int, conn: asyncpg.Connection) -> None:
         while sum(taken) < count and time.monotonic() < deadline:
-            claimed = await queue.claim_due_recipients(
+            claimed = await leases.claim_due_recipients(
                 conn, owner=f"bench-{i}", lease=300, batch=100
             )
             batch = group_deliveries(claimed)
@@ -194,7 +194,7 @@ async def claim_record(
                 return
             if record:
                 now = datetime.now(UTC)
-                await queue.record_attempts(
+                await leases.record_attempts(
                     conn,
                     [
                         AttemptResult(

@@ -22,9 +22,9 @@ from pigeon_mta.observability.exposition import MetricsExposition, MultiprocessS
 from pigeon_mta.observability.health import Readiness
 from pigeon_mta.observability.http import ObservabilityServer
 from pigeon_mta.store import connect as store_connect
+from pigeon_mta.store import leases as store_leases
 from pigeon_mta.store import migrate as store_migrate
 from pigeon_mta.store import orgs as store_orgs
-from pigeon_mta.store import queue as store_queue
 from pigeon_mta.store.notify import NotifySender
 
 log = logging.getLogger("pigeon_mta.serve")
@@ -42,7 +42,7 @@ async def prepare_database(
             log.info("schema migrated: %s", ", ".join(f"{m.version:04d}_{m.name}" for m in applied))
         await store_orgs.ensure_org(conn, settings.relay.trusted_org)
         await node.take_node_name(conn, run, lock)
-        freed = await store_queue.free_leases_of_gone_runs(
+        freed = await store_leases.free_leases_of_gone_runs(
             conn, node_name=run.name, stale_after=node.STALE_AFTER
         )
         if freed:

@@ -18,7 +18,8 @@ from pigeon_mta import metrics, notices
 from pigeon_mta.config import Settings
 from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.store import events as store_events
-from pigeon_mta.store import queue as store_queue
+from pigeon_mta.store import leases as store_leases
+from pigeon_mta.store import upkeep as store_upkeep
 from pigeon_mta.store.connect import DB_ERRORS
 
 # Logged under the name of the command it runs in: the name is a field of every log line.
@@ -36,14 +37,14 @@ class Maintenance:
 
     settings: Settings
     pool: asyncpg.Pool
-    on_stats: Callable[[store_queue.QueueStats], None] = lambda _s: None
-    on_expired: Callable[[list[store_queue.ExpiredRecipient]], Awaitable[None]] | None = None
-    last_stats: store_queue.QueueStats | None = None
+    on_stats: Callable[[store_upkeep.QueueStats], None] = lambda _s: None
+    on_expired: Callable[[list[store_upkeep.ExpiredRecipient]], Awaitable[None]] | None = None
+    last_stats: store_upkeep.QueueStats | None = None
     healthy: bool = True
     _warned: bool = field(default=False, repr=False)
     # Expired recipients whose delivery-log records are not written yet (the read failed): tried
     # again every round until written, so a database blip does not lose Expiration records.
-    _unlogged: list[store_queue.ExpiredRecipient] = field(default_factory=list, repr=False)
+    _unlogged: list[store_upkeep.ExpiredRecipient] = field(default_factory=list, repr=False)
 
     async def run(self, stop: asyncio.Event) -> None:
         delivery = self.settings.delivery
@@ -56,7 +57,7 @@ class Maintenance:
                 if now >= next_sweep:
                     await self.sweep_once()
                     next_sweep = now + delivery.sweep_interval
-                self.last_stats = await store_queue.queue_stats(self.pool)
+                self.last_stats = await store_upkeep.queue_stats(self.pool)
                 self.on_stats(self.last_stats)
                 if not self.healthy:
                     log.info("database reachable again")
@@ -72,7 +73,7 @@ class Maintenance:
                 await asyncio.wait_for(stop.wait(), interval)
 
     async def sweep_once(self) -> None:
-        requeued = await store_queue.requeue_expired_leases(self.pool)
+        requeued = await store_leases.requeue_expired_leases(self.pool)
         if requeued:
             log.warning(
                 "lease sweeper: %d recipient(s) whose lease ran out are queued again", requeued
@@ -119,7 +120,7 @@ class Maintenance:
                 )
         keep = self.settings.retention.messages
         if keep > 0:
-            purged = await store_queue.purge_finished_messages(self.pool, older_than=keep)
+            purged = await store_upkeep.purge_finished_messages(self.pool, older_than=keep)
             if purged:
                 log.info(
                     "retention: deleted %d finished message(s) older than %s",
@@ -136,7 +137,7 @@ def format_duration(seconds: float) -> str:
 
 
 async def log_expiries(
-    pool: asyncpg.Pool, delivery_log: DeliveryLog, expired: list[store_queue.ExpiredRecipient]
+    pool: asyncpg.Pool, delivery_log: DeliveryLog, expired: list[store_upkeep.ExpiredRecipient]
 ) -> None:
     """Recipients the sweeper expired: written to the delivery log, and counted. The read comes
     first: if it fails, nothing is counted, and the maintenance loop calls again next round."""

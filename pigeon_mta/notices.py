@@ -26,8 +26,10 @@ from pigeon_mta.ids import new_id
 from pigeon_mta.model import Envelope, Status
 from pigeon_mta.store import bounces as store_bounces
 from pigeon_mta.store import queue as store_queue
+from pigeon_mta.store import upkeep as store_upkeep
 from pigeon_mta.store.bounces import ReportedRecipient
-from pigeon_mta.store.queue import Executor, ExpiredRecipient
+from pigeon_mta.store.executor import Executor, transaction
+from pigeon_mta.store.upkeep import ExpiredRecipient
 
 # Four bytes beyond the header limit: room for the empty line that ends a header section that size.
 _HEAD_BYTES = MAX_ORIGINAL_HEADER_BYTES + 4
@@ -68,8 +70,8 @@ async def expire_and_bounce(
     limit: int = 1000,
 ) -> Expired:
     """Expire due recipients older than max_age and queue their DSNs (Status 4.4.7), atomically."""
-    async with store_queue.transaction(db) as conn:
-        expired = await store_queue.expire_old_recipients(
+    async with transaction(db) as conn:
+        expired = await store_upkeep.expire_old_recipients(
             conn, max_age=max_age, max_age_text=max_age_text, limit=limit
         )
         bounces = await queue_bounces(conn, [e.recipient_id for e in expired], hostname=hostname)
@@ -96,7 +98,7 @@ async def warn_delayed(
     warned is warned at a later round if it is deferred again, in a DSN of its own. The DSN says
     until when delivery will be tried: the earliest expiry (created_at + max_age) among those it
     names, so that it promises no try that will not happen."""
-    async with store_queue.transaction(db) as conn:
+    async with transaction(db) as conn:
         marked = await store_bounces.mark_delayed(conn, after=after, limit=limit)
         if not marked:
             return Warned(recipients=0, warnings=[])

@@ -40,7 +40,7 @@ from pigeon_mta.model import Delivery, Signed
 from pigeon_mta.store import dkim_keys as store_dkim_keys
 from pigeon_mta.store import orgs as store_orgs
 from pigeon_mta.store.connect import DB_ERRORS
-from pigeon_mta.store.queue import Executor
+from pigeon_mta.store.executor import Executor
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from pigeon_mta.commands.common import (
 )
 from pigeon_mta.domains import ascii_domain
 from pigeon_mta.store import dkim_keys as store_dkim_keys
-from pigeon_mta.store.queue import Executor
+from pigeon_mta.store.executor import Executor
 
 _SELECTOR_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-")
 

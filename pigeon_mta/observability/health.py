@@ -20,7 +20,7 @@ import asyncpg
 
 from pigeon_mta import metrics
 from pigeon_mta.observability.exposition import MetricsExposition, family_name
-from pigeon_mta.store.queue import QueueStats
+from pigeon_mta.store.upkeep import QueueStats
 
 DATABASE_CHECK_TIMEOUT = 2.0
 

@@ -1,6 +1,6 @@
 """The engine's claims: claimed rows grouped into deliveries, and the ledger of those not recorded.
 
-A claim holds a recipient under a lease (store/queue.py: the attempt number is its fencing token).
+A claim holds a recipient under a lease (store/leases.py: the attempt number is its fencing token).
 The ledger keeps every claim this engine holds until its outcome is recorded, renews the leases of
 long transactions so that no other worker takes their recipients meanwhile, and hands claims back
 to the queue unattempted: one destination's at a time when it has no room, all of them at stop.
@@ -18,7 +18,7 @@ from datetime import datetime
 import asyncpg
 
 from pigeon_mta.model import AttemptResult, ClaimedRecipient, ClaimedRow, Delivery
-from pigeon_mta.store import queue as store_queue
+from pigeon_mta.store import leases as store_leases
 from pigeon_mta.store.connect import DB_ERRORS
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class Claims:
     ) -> None:
         """Release these claims unattempted, due again at once or at `due_at`, and forget them."""
         try:
-            await store_queue.release_leases(
+            await store_leases.release_leases(
                 self.pool,
                 [r.id for r in recipients],
                 owner=self.owner,
@@ -135,7 +135,7 @@ class Claims:
         """At stop: every claim still held goes back to the queue now; returns how many did.
         A database error is raised, and the claims stay held (their leases run out)."""
         ids, attempts = self._claims(list(self._held))
-        released = await store_queue.release_leases(
+        released = await store_leases.release_leases(
             self.pool, ids, owner=self.owner, attempts=attempts
         )
         self._held.clear()
@@ -153,7 +153,7 @@ class Claims:
                 continue
             ids, attempts = self._claims(due)
             try:
-                await store_queue.renew_leases(
+                await store_leases.renew_leases(
                     self.pool, ids, owner=self.owner, lease=lease, attempts=attempts
                 )
             except DB_ERRORS as exc:

@@ -32,7 +32,7 @@ from pigeon_mta.outbound.courier import Courier, Postponed, Signer
 from pigeon_mta.outbound.mx import Router
 from pigeon_mta.outbound.outcome import interrupted_after_data, split_suppressed
 from pigeon_mta.outbound.recorder import Recorder
-from pigeon_mta.store import queue as store_queue
+from pigeon_mta.store import leases as store_leases
 from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.store.notify import Connector, QueueWaker
 
@@ -223,7 +223,7 @@ class DeliveryEngine:
                 continue
             want = min(delivery.batch_size, room)
             try:
-                claimed = await store_queue.claim_due_recipients(
+                claimed = await store_leases.claim_due_recipients(
                     self.pool, owner=self.owner, lease=delivery.lease, batch=want
                 )
             except DB_ERRORS as exc:

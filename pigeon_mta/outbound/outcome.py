@@ -23,9 +23,9 @@ from pigeon_mta.model import AttemptResult, ClaimedRecipient, Delivery, Outcome,
 from pigeon_mta.outbound.attempt import Peer, RecipientResult
 from pigeon_mta.outbound.classify import Category, Verdict, classify, classify_reply, suppresses
 from pigeon_mta.signer import KeysUnavailable
-from pigeon_mta.store import queue as store_queue
+from pigeon_mta.store import leases as store_leases
 from pigeon_mta.store import suppression as store_suppression
-from pigeon_mta.store.queue import Executor
+from pigeon_mta.store.executor import Executor, transaction
 from pigeon_mta.store.suppression import BounceEntry
 
 # Outcomes that end a recipient's delivery in failure and so are reported to the sender.
@@ -236,9 +236,9 @@ async def apply_outcomes(
     if not any(r.outcome in FAILED_OUTCOMES for r in results):
         # Nothing to bounce or suppress: the record statement is the whole transaction (one round
         # trip instead of BEGIN, record, COMMIT; most batches under load are like this).
-        return Applied(applied=await store_queue.record_attempts(db, results))
-    async with store_queue.transaction(db) as conn:
-        applied = await store_queue.record_attempts(conn, results)
+        return Applied(applied=await store_leases.record_attempts(db, results))
+    async with transaction(db) as conn:
+        applied = await store_leases.record_attempts(conn, results)
         failed = messages_needing_bounces(results, applied)
         bounces = await notices.queue_bounces(
             conn, [rid for ids in failed.values() for rid in ids], hostname=hostname

@@ -17,7 +17,8 @@ from typing import Any, Literal
 import asyncpg
 
 from pigeon_mta.model import Status
-from pigeon_mta.store.queue import NOTIFY_CHANNEL, Executor
+from pigeon_mta.store.executor import Executor
+from pigeon_mta.store.queue import NOTIFY_CHANNEL
 
 # "deferred" is not a status column value: it is a queued row that was attempted before.
 DEFERRED = "deferred"

@@ -15,7 +15,7 @@ from datetime import datetime
 import asyncpg
 
 from pigeon_mta.model import Reply, Status
-from pigeon_mta.store.queue import Executor
+from pigeon_mta.store.executor import Executor
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from datetime import datetime
 import asyncpg
 
 from pigeon_mta.ids import new_id
-from pigeon_mta.store.queue import Executor
+from pigeon_mta.store.executor import Executor
 
 # scrypt cost: 2^14 x 8 x 1 takes 16 MiB and tens of milliseconds, as RFC 7914 suggests for
 # interactive logins. The parameters are stored in each hash, so they can be raised later.

@@ -13,7 +13,7 @@ from datetime import datetime
 import asyncpg
 
 from pigeon_mta.ids import new_id
-from pigeon_mta.store.queue import Executor
+from pigeon_mta.store.executor import Executor
 
 
 @dataclass(frozen=True)

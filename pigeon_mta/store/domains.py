@@ -10,7 +10,7 @@ import asyncpg
 
 from pigeon_mta.domains import normalize_domain
 from pigeon_mta.ids import new_id
-from pigeon_mta.store.queue import Executor
+from pigeon_mta.store.executor import Executor
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import uuid
 
 from pigeon_mta.ids import new_id
-from pigeon_mta.store.queue import Executor
+from pigeon_mta.store.executor import Executor
 
 # Cross-tenant by design: a failed AUTH belongs to no org. One statement records the failure
 # (auth_failure), adds it to the IP's count (auth_throttle) and returns that count: the upsert

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from pigeon_mta.store.queue import Executor
+from pigeon_mta.store.executor import Executor
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from datetime import datetime
 import asyncpg
 
 from pigeon_mta.ids import new_id, new_ids
-from pigeon_mta.store.queue import SUPPRESSION_ACTIVE, Executor
+from pigeon_mta.store.executor import Executor
+from pigeon_mta.store.leases import SUPPRESSION_ACTIVE
 
 MANUAL = "manual"
 BOUNCE = "bounce"

@@ -9,7 +9,7 @@ import asyncpg
 
 from pigeon_mta.model import AttemptResult, Delivery, Envelope, Outcome, Reply
 from pigeon_mta.outbound.claims import group_deliveries
-from pigeon_mta.store import queue
+from pigeon_mta.store import leases, queue
 
 
 async def claim(
@@ -18,7 +18,7 @@ async def claim(
     """Claim due recipients, grouped into one Delivery per (message, domain) as the engine
     groups them when no static route joins domains."""
     return group_deliveries(
-        await queue.claim_due_recipients(db, owner=owner, lease=lease, batch=batch)
+        await leases.claim_due_recipients(db, owner=owner, lease=lease, batch=batch)
     )
 
 

@@ -18,7 +18,7 @@ import asyncpg
 import pytest
 
 from pigeon_mta.config import Settings
-from pigeon_mta.store import admin_queue, events, queue
+from pigeon_mta.store import admin_queue, events, upkeep
 from pigeon_mta.store.admin_queue import Selection
 from pigeon_mta.store.connect import server_settings
 from tests.integration.queue_helpers import bulk_queue
@@ -128,7 +128,7 @@ async def test_purge_batch_reads_neither_the_suppression_list_nor_the_history(
 ) -> None:
     async with big.transaction():
         purged, read = await reads_of(
-            big, lambda: queue.purge_finished_messages(big, older_than=WEEK, limit=20)
+            big, lambda: upkeep.purge_finished_messages(big, older_than=WEEK, limit=20)
         )
         assert purged == 20
         # Each deleted attempt clears the suppression entries pointing at it (ON DELETE SET

@@ -9,7 +9,7 @@ import asyncpg
 
 from pigeon_mta.config import BounceSettings, DeliverySettings, Duration, Settings
 from pigeon_mta.maintenance import Maintenance
-from pigeon_mta.store.queue import ExpiredRecipient
+from pigeon_mta.store.upkeep import ExpiredRecipient
 from tests.integration.queue_helpers import bulk_queue
 
 

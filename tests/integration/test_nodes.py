@@ -12,7 +12,7 @@ import uuid
 import asyncpg
 
 from pigeon_mta.node import STALE_AFTER, NodeRun
-from pigeon_mta.store import nodes, queue
+from pigeon_mta.store import leases, nodes
 from tests.integration.queue_helpers import bulk_queue, claim
 
 
@@ -35,7 +35,7 @@ async def claim_two(pool: asyncpg.Pool, owner: str) -> None:
 
 
 async def free(pool: asyncpg.Pool, name: str) -> int:
-    return await queue.free_leases_of_gone_runs(pool, node_name=name, stale_after=STALE_AFTER)
+    return await leases.free_leases_of_gone_runs(pool, node_name=name, stale_after=STALE_AFTER)
 
 
 async def owners(pool: asyncpg.Pool) -> list[tuple[str, str | None]]:

@@ -13,7 +13,7 @@ import asyncpg
 import pytest
 
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
-from pigeon_mta.store import queue
+from pigeon_mta.store import leases, queue, upkeep
 from tests.integration.queue_helpers import bulk_queue, claim, results_for
 
 OWNER = "node-a"
@@ -203,7 +203,7 @@ async def test_eight_concurrent_claimers_take_every_row_exactly_once(
                 if not batch:
                     return taken
                 taken.extend(r.id for d in batch for r in d.recipients)
-                await queue.record_attempts(conn, results_for(batch, Outcome.DELIVERED))
+                await leases.record_attempts(conn, results_for(batch, Outcome.DELIVERED))
 
     results = await asyncio.gather(*(claimer(f"claimer-{i}") for i in range(8)))
     everything = [rid for taken in results for rid in taken]
@@ -227,9 +227,9 @@ async def test_dead_claimer_holds_rows_only_until_its_lease_runs_out(
 
     # While the lease holds, nobody else gets the rows and the sweeper leaves them alone.
     assert await claim(pool, owner=OWNER, lease=60, batch=100) == []
-    assert await queue.requeue_expired_leases(pool) == 0
+    assert await leases.requeue_expired_leases(pool) == 0
     await asyncio.sleep(1.3)
-    assert await queue.requeue_expired_leases(pool) == 10
+    assert await leases.requeue_expired_leases(pool) == 10
 
     again = await claim(pool, owner=OWNER, lease=60, batch=100)
     assert len(again) == 10
@@ -246,7 +246,7 @@ async def test_node_restart_frees_its_own_leases_at_once(
     await bulk_queue(pool, org_id, messages=4)
     await claim(pool, owner="node-b/run1", lease=3600, batch=2)
     await claim(pool, owner=f"{OWNER}/run1", lease=3600, batch=2)
-    assert await queue.free_leases_of_gone_runs(pool, node_name=OWNER, stale_after=30) == 2
+    assert await leases.free_leases_of_gone_runs(pool, node_name=OWNER, stale_after=30) == 2
     statuses = await pool.fetch("SELECT status, lease_owner FROM recipient ORDER BY status")
     assert sorted((r["status"], r["lease_owner"]) for r in statuses) == [
         ("delivering", "node-b/run1"),
@@ -265,7 +265,7 @@ async def test_record_outcomes_in_one_batch(pool: asyncpg.Pool, org_id: uuid.UUI
         + results_for([deferred], Outcome.DEFERRED, retry_in=600, code=451)
         + results_for([bounced], Outcome.BOUNCED, code=550)
     )
-    applied = await queue.record_attempts(pool, results)
+    applied = await leases.record_attempts(pool, results)
     assert len(applied) == 3
     rows = {
         r["message_id"]: r
@@ -294,12 +294,12 @@ async def test_a_stale_claim_cannot_overwrite_a_newer_one(
     await bulk_queue(pool, org_id, messages=1)
     old = await claim(pool, owner="slow-node", lease=1, batch=1)
     await asyncio.sleep(1.2)
-    await queue.requeue_expired_leases(pool)
+    await leases.requeue_expired_leases(pool)
     new = await claim(pool, owner=OWNER, lease=60, batch=1)
     # The slow node finally reports a bounce: it is logged, not applied.
-    assert await queue.record_attempts(pool, results_for(old, Outcome.BOUNCED, code=550)) == set()
+    assert await leases.record_attempts(pool, results_for(old, Outcome.BOUNCED, code=550)) == set()
     assert await pool.fetchval("SELECT status FROM recipient") == "delivering"
-    assert await queue.record_attempts(pool, results_for(new, Outcome.DELIVERED)) != set()
+    assert await leases.record_attempts(pool, results_for(new, Outcome.DELIVERED)) != set()
     assert await pool.fetchval("SELECT status FROM recipient") == "delivered"
     log = await pool.fetch(
         "SELECT outcome, applied FROM attempt WHERE code IS NOT NULL ORDER BY recorded_at"
@@ -315,11 +315,11 @@ async def test_stale_and_current_outcome_of_one_recipient_in_one_batch(
     await bulk_queue(pool, org_id, messages=1)
     old = await claim(pool, owner="slow-node", lease=1, batch=1)
     await asyncio.sleep(1.2)
-    await queue.requeue_expired_leases(pool)
+    await leases.requeue_expired_leases(pool)
     new = await claim(pool, owner=OWNER, lease=60, batch=1)
     rid = new[0].recipients[0].id
     batch = [*results_for(old, Outcome.BOUNCED, code=550), *results_for(new, Outcome.DELIVERED)]
-    assert await queue.record_attempts(pool, batch) == {rid}
+    assert await leases.record_attempts(pool, batch) == {rid}
     assert await pool.fetchval("SELECT status FROM recipient") == "delivered"
     log = await pool.fetch(  # code IS NULL: the sweeper's row for the lease that ran out
         "SELECT attempt, outcome, applied FROM attempt WHERE code IS NOT NULL ORDER BY attempt"
@@ -330,7 +330,7 @@ async def test_stale_and_current_outcome_of_one_recipient_in_one_batch(
     ]
     # An outcome for a recipient that does not exist is logged, not applied.
     ghost = AttemptResult(**{**vars(batch[1]), "recipient_id": uuid.uuid4()})
-    assert await queue.record_attempts(pool, [ghost]) == set()
+    assert await leases.record_attempts(pool, [ghost]) == set()
 
 
 async def test_renew_and_release(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
@@ -338,13 +338,13 @@ async def test_renew_and_release(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
     deliveries = await claim(pool, owner=OWNER, lease=5, batch=10)
     ids = [r.id for d in deliveries for r in d.recipients]
     tries = [r.attempts for d in deliveries for r in d.recipients]
-    assert await queue.renew_leases(pool, ids, owner=OWNER, lease=3600, attempts=tries) == 2
+    assert await leases.renew_leases(pool, ids, owner=OWNER, lease=3600, attempts=tries) == 2
     assert (
-        await queue.renew_leases(pool, ids, owner="someone-else", lease=3600, attempts=tries) == 0
+        await leases.renew_leases(pool, ids, owner="someone-else", lease=3600, attempts=tries) == 0
     )
     left = await pool.fetchval("SELECT min(lease_until - now()) FROM recipient")
     assert left > timedelta(seconds=3500)
-    assert await queue.release_leases(pool, ids[:1], owner=OWNER, attempts=tries[:1]) == 1
+    assert await leases.release_leases(pool, ids[:1], owner=OWNER, attempts=tries[:1]) == 1
     row = await pool.fetchrow(
         "SELECT status, attempts, lease_owner FROM recipient WHERE id = $1", ids[0]
     )
@@ -354,12 +354,12 @@ async def test_renew_and_release(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
 async def test_expiry_of_old_due_recipients(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
     await bulk_queue(pool, org_id, messages=3, age=6 * 86400)
     await bulk_queue(pool, org_id, messages=2, age=60)
-    expired = await queue.expire_old_recipients(pool, max_age=5 * 86400, max_age_text="5d")
+    expired = await upkeep.expire_old_recipients(pool, max_age=5 * 86400, max_age_text="5d")
     assert len(expired) == 3
     assert await pool.fetchval("SELECT count(*) FROM recipient WHERE status = 'expired'") == 3
     responses = await pool.fetch("SELECT outcome, response FROM attempt")
     assert all(r["outcome"] == "expired" and "5d" in r["response"] for r in responses)
-    assert await queue.expire_old_recipients(pool, max_age=5 * 86400, max_age_text="5d") == []
+    assert await upkeep.expire_old_recipients(pool, max_age=5 * 86400, max_age_text="5d") == []
 
 
 async def test_stats_count_the_live_queue(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
@@ -367,7 +367,7 @@ async def test_stats_count_the_live_queue(pool: asyncpg.Pool, org_id: uuid.UUID)
     await bulk_queue(pool, org_id, messages=3, due_in=3600)
     await bulk_queue(pool, org_id, messages=5, status="delivered")
     await claim(pool, owner=OWNER, lease=60, batch=1)
-    stats = await queue.queue_stats(pool)
+    stats = await upkeep.queue_stats(pool)
     assert (stats.queued, stats.due, stats.delivering) == (6, 3, 1)
     assert 100 < stats.oldest_due_age < 200
 
@@ -378,7 +378,7 @@ async def test_claim_query_uses_the_partial_index(pool: asyncpg.Pool, org_id: uu
     await bulk_queue(pool, org_id, messages=50)
     await pool.execute("ANALYZE")
     async with pool.acquire() as conn, conn.transaction():
-        plan = await conn.fetchval("EXPLAIN (FORMAT JSON) " + queue._CLAIM, 300.0, OWNER, 100)
+        plan = await conn.fetchval("EXPLAIN (FORMAT JSON) " + leases._CLAIM, 300.0, OWNER, 100)
         await conn.execute("ROLLBACK AND CHAIN")
     nodes = list(_plan_nodes(json.loads(plan) if isinstance(plan, str) else plan))
     scans = [
@@ -418,7 +418,7 @@ async def test_deferred_without_next_attempt_is_refused(
     pool: asyncpg.Pool, org_id: uuid.UUID
 ) -> None:
     with pytest.raises(ValueError):
-        await queue.record_attempts(pool, [_result(uuid.uuid4(), uuid.uuid4(), org_id)])
+        await leases.record_attempts(pool, [_result(uuid.uuid4(), uuid.uuid4(), org_id)])
 
 
 async def test_retention_purges_only_old_finished_messages(
@@ -429,10 +429,10 @@ async def test_retention_purges_only_old_finished_messages(
     deliveries = await claim(pool, owner=OWNER, lease=60, batch=10)
     done = [d for d in deliveries if d.message_id == old_done]
     waiting = [d for d in deliveries if d.message_id == old_waiting]
-    await queue.record_attempts(pool, results_for(done, Outcome.DELIVERED))
+    await leases.record_attempts(pool, results_for(done, Outcome.DELIVERED))
     # One of old_waiting's recipients is final, the other still deferred: the message stays.
     first, second = results_for(waiting, Outcome.DEFERRED, code=451)
-    await queue.record_attempts(
+    await leases.record_attempts(
         pool,
         [
             first,
@@ -442,10 +442,10 @@ async def test_retention_purges_only_old_finished_messages(
     await asyncio.sleep(1.5)
     fresh = await queue.enqueue(pool, envelope(org_id, "d@example.net"))
     fresh_done = await claim(pool, owner=OWNER, lease=60, batch=10)
-    await queue.record_attempts(pool, results_for(fresh_done, Outcome.DELIVERED))
+    await leases.record_attempts(pool, results_for(fresh_done, Outcome.DELIVERED))
 
     # Messages received more than a second ago count as old here.
-    assert await queue.purge_finished_messages(pool, older_than=1.0) == 1
+    assert await upkeep.purge_finished_messages(pool, older_than=1.0) == 1
     left = {r["id"] for r in await pool.fetch("SELECT id FROM message")}
     assert left == {old_waiting, fresh}
     assert await pool.fetchval("SELECT count(*) FROM attempt WHERE message_id = $1", old_done) == 0
@@ -461,10 +461,10 @@ async def test_retention_never_purges_recent_mail_whatever_its_id(
     # any recent UUIDv7. Their received time, not their id, decides.
     await bulk_queue(pool, org_id, messages=2000, status="delivered")
     low_ids = await pool.fetchval(
-        "SELECT count(*) FROM message WHERE id < $1", queue.id_floor(time.time() - 86400)
+        "SELECT count(*) FROM message WHERE id < $1", upkeep.id_floor(time.time() - 86400)
     )
     assert low_ids > 0, "the test needs some ids that sort below the cutoff"
-    assert await queue.purge_finished_messages(pool, older_than=86400) == 0
+    assert await upkeep.purge_finished_messages(pool, older_than=86400) == 0
     assert await pool.fetchval("SELECT count(*) FROM message") == 2000
 
 
@@ -476,18 +476,18 @@ async def test_release_and_renew_touch_only_the_claim_they_name(
     await bulk_queue(pool, org_id, messages=1)
     [first] = await claim(pool, owner=OWNER, lease=1, batch=1)
     await asyncio.sleep(1.2)
-    assert await queue.requeue_expired_leases(pool) == 1
+    assert await leases.requeue_expired_leases(pool) == 1
     [second] = await claim(pool, owner=OWNER, lease=60, batch=1)
     rid = first.recipients[0].id
     assert (first.recipients[0].attempts, second.recipients[0].attempts) == (1, 2)
 
-    assert await queue.renew_leases(pool, [rid], owner=OWNER, lease=3600, attempts=[1]) == 0
-    assert await queue.release_leases(pool, [rid], owner=OWNER, attempts=[1]) == 0
+    assert await leases.renew_leases(pool, [rid], owner=OWNER, lease=3600, attempts=[1]) == 0
+    assert await leases.release_leases(pool, [rid], owner=OWNER, attempts=[1]) == 0
     row = await pool.fetchrow("SELECT status, attempts FROM recipient WHERE id = $1", rid)
     assert (row["status"], row["attempts"]) == ("delivering", 2)
 
-    assert await queue.renew_leases(pool, [rid], owner=OWNER, lease=3600, attempts=[2]) == 1
-    assert await queue.release_leases(pool, [rid], owner=OWNER, attempts=[2]) == 1
+    assert await leases.renew_leases(pool, [rid], owner=OWNER, lease=3600, attempts=[2]) == 1
+    assert await leases.release_leases(pool, [rid], owner=OWNER, attempts=[2]) == 1
     row = await pool.fetchrow("SELECT status, attempts FROM recipient WHERE id = $1", rid)
     assert (row["status"], row["attempts"]) == ("queued", 1)
 
@@ -505,13 +505,13 @@ async def test_fenced_statements_look_up_their_rows_by_primary_key_with_many_in_
     rows = [(d, r) for d in claimed for r in d.recipients][:100]
     results = results_for([d for d, _ in rows], Outcome.DELIVERED)[:100]
     async with pool.acquire() as conn:
-        record = await _recipient_scans(conn, queue._RECORD, *queue._record_arguments(results))
+        record = await _recipient_scans(conn, leases._RECORD, *leases._record_arguments(results))
         ids = [r.id for _, r in rows]
         attempts = [r.attempts for _, r in rows]
-        renew = await _recipient_scans(conn, queue._RENEW_FENCED, ids, OWNER, 300.0, attempts)
-        release = await _recipient_scans(conn, queue._RELEASE_FENCED, ids, OWNER, attempts, None)
-        sweep = await _recipient_scans(conn, queue._SWEEP, 100)
-        count = await _recipient_scans(conn, queue._STATS)
+        renew = await _recipient_scans(conn, leases._RENEW_FENCED, ids, OWNER, 300.0, attempts)
+        release = await _recipient_scans(conn, leases._RELEASE_FENCED, ids, OWNER, attempts, None)
+        sweep = await _recipient_scans(conn, leases._SWEEP, 100)
+        count = await _recipient_scans(conn, upkeep._STATS)
     for scans in (record, renew, release):
         assert ("Index Scan", "recipient_pkey") in scans, scans
         assert all(name != "recipient_leased" for _, name in scans), scans

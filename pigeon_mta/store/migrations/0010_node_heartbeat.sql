@@ -2,7 +2,7 @@
 -- it is alive. A run (one start of serve: its supervisor and the worker processes that die with
 -- it) writes `<name>/<run_id>` as the owner of the leases it takes. A starting node takes the name
 -- over only from a run that stopped cleanly or whose heartbeat is stale, and then frees the leases
--- of the runs before it (store/nodes.py, store/queue.py: free_leases_of_gone_runs).
+-- of the runs before it (store/nodes.py, store/leases.py: free_leases_of_gone_runs).
 CREATE TABLE node (
     name          text PRIMARY KEY,
     run_id        text NOT NULL,

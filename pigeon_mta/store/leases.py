@@ -1,0 +1,305 @@
+"""The queue's outbound side: claims under a lease, their recorded outcomes, renewal and sweeping.
+
+Workers claim due recipients with FOR UPDATE SKIP LOCKED under a lease; the claim increments
+`attempts`, which then serves as a fencing token: an outcome is applied only while the row is still
+`delivering` with the attempt number of that claim, so a worker whose lease ran out cannot
+overwrite the work of the claim that replaced it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from datetime import datetime
+
+import asyncpg
+
+from pigeon_mta.ids import new_ids
+from pigeon_mta.model import (
+    AttemptResult,
+    ClaimedRecipient,
+    ClaimedRow,
+    Outcome,
+    Reply,
+    storable_text,
+)
+from pigeon_mta.store.executor import Executor
+
+# ---------------------------------------------------------------- claim
+
+# A suppression-list entry `s` in force: the claim reads the list (below), and so does
+# store/suppression.py, which owns it.
+SUPPRESSION_ACTIVE = "(s.expires_at IS NULL OR s.expires_at > now())"
+
+# Cross-tenant by design: the claim serves every org's queue. ARRAY(...) makes the locking subquery
+# run once; the partial index recipient_due serves its WHERE and ORDER BY. One row per recipient,
+# grouped in Python (outbound/claims.py): grouping in SQL (array_agg ... ORDER BY per column and
+# group) cost PostgreSQL about a seventh of the claim (bench/README.md "Queue").
+_CLAIM = f"""
+WITH c AS (
+    UPDATE recipient r
+    SET status = 'delivering',
+        lease_until = now() + make_interval(secs => $1),
+        lease_owner = $2,
+        attempts = r.attempts + 1,
+        updated_at = now()
+    WHERE r.id = ANY (ARRAY (
+        SELECT id FROM recipient
+        WHERE status = 'queued' AND next_attempt_at <= now()
+        ORDER BY next_attempt_at
+        LIMIT $3
+        FOR UPDATE SKIP LOCKED))
+    RETURNING r.id, r.message_id, r.domain, r.address, r.attempts, r.created_at, r.last_code,
+              r.last_enhanced_code, r.last_response
+)
+SELECT m.id AS message_id, m.org_id, m.sender, m.header_message_id, m.received_at, c.domain,
+       c.id, c.address, c.attempts, c.created_at, c.last_code, c.last_enhanced_code,
+       c.last_response,
+       -- Each body once, on one row of its message, however many recipients and destination
+       -- domains it has (a large message to a hundred recipients is read and sent once).
+       CASE WHEN row_number() OVER (PARTITION BY m.id) = 1 THEN m.body END AS body,
+       -- The org's suppression list, read by the claim itself (one statement less per round;
+       -- if it cannot be read, nothing is claimed). Addresses compare as the list stores them.
+       s.reason AS suppressed
+FROM c JOIN message m ON m.id = c.message_id
+LEFT JOIN suppression s ON s.org_id = m.org_id AND s.address = lower(c.address)
+                       AND {SUPPRESSION_ACTIVE}
+"""
+
+
+async def claim_due_recipients(
+    db: Executor, *, owner: str, lease: float, batch: int
+) -> list[ClaimedRow]:
+    """Claim up to `batch` due recipients: one row each, in no particular order. Each message's
+    body is on one of its rows; `group_deliveries` (outbound/claims.py) makes the deliveries."""
+    return [
+        ClaimedRow(
+            message_id=row["message_id"],
+            org_id=row["org_id"],
+            sender=row["sender"],
+            header_message_id=row["header_message_id"],
+            received_at=row["received_at"],
+            domain=row["domain"],
+            body=row["body"],
+            recipient=ClaimedRecipient(
+                id=row["id"],
+                address=row["address"],
+                attempts=row["attempts"],
+                queued_at=row["created_at"],
+                suppressed=row["suppressed"],
+                last_reply=_last_reply(row),
+            ),
+        )
+        for row in await db.fetch(_CLAIM, float(lease), owner, batch)
+    ]
+
+
+def _last_reply(row: asyncpg.Record) -> Reply | None:
+    """The reply a recipient's previous attempt recorded (a local failure's code 0 is NULL)."""
+    if row["last_response"] is None:
+        return None
+    return Reply(row["last_code"] or 0, row["last_enhanced_code"], row["last_response"])
+
+
+# ---------------------------------------------------------------- record
+
+# One statement: the recipient rows move (only where the claim still holds, see module doc) and the
+# attempt rows are appended, each saying whether its outcome was applied.
+_RECORD = """
+WITH v AS (
+    SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::int[], $6::text[],
+                         $7::timestamptz[], $8::float8[], $9::timestamptz[], $10::text[],
+                         $11::text[], $12::int[], $13::text[], $14::text[], $15::int[],
+                         $16::text[], $17::text[], $18::text[], $19::text[], $20::text[])
+        AS v (attempt_id, recipient_id, message_id, org_id, attempt, outcome,
+              started_at, duration, next_attempt_at, mx_host,
+              ip, port, tls_version, tls_cipher, code,
+              enhanced_code, response, category, rule, dkim)
+), u AS (
+    UPDATE recipient r
+    SET status = CASE v.outcome WHEN 'deferred' THEN 'queued' ELSE v.outcome END,
+        next_attempt_at = COALESCE(v.next_attempt_at, r.next_attempt_at),
+        lease_until = NULL,
+        lease_owner = NULL,
+        last_code = v.code,
+        last_enhanced_code = v.enhanced_code,
+        last_response = v.response,
+        updated_at = now()
+    FROM v
+    WHERE r.id = v.recipient_id AND r.status = 'delivering' AND r.attempts = v.attempt
+    RETURNING r.id, r.attempts
+), a AS (
+    INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, duration_ms,
+                         mx_host, ip, port, tls_version, tls_cipher, code, enhanced_code, response,
+                         outcome, category, rule, next_attempt_at, applied, dkim)
+    SELECT v.attempt_id, v.recipient_id, v.message_id, v.org_id, v.attempt, v.started_at,
+           v.duration * 1000, v.mx_host, v.ip, v.port, v.tls_version, v.tls_cipher, v.code,
+           v.enhanced_code, v.response, v.outcome, v.category, v.rule, v.next_attempt_at,
+           u.id IS NOT NULL, v.dkim
+    -- By claim, not by row: a stale outcome of a recipient that a newer claim in the same batch
+    -- moved is still not applied.
+    FROM v LEFT JOIN u ON u.id = v.recipient_id AND u.attempts = v.attempt
+    RETURNING recipient_id, attempt, applied
+)
+-- Only the exceptions travel back (normally none): one row per outcome was 100 rows to decode.
+SELECT recipient_id, attempt FROM a WHERE NOT applied
+"""
+
+
+async def record_attempts(db: Executor, results: Sequence[AttemptResult]) -> set[uuid.UUID]:
+    """Record a batch of outcomes in one statement; returns the recipient ids whose state moved.
+
+    A result whose claim no longer holds is still written to the attempt log (applied = false), so
+    a delivery made after a lease ran out shows up as a possible duplicate instead of vanishing.
+    """
+    if not results:
+        return set()
+    for result in results:
+        if result.outcome == Outcome.DEFERRED and result.next_attempt_at is None:
+            raise ValueError("a deferred outcome needs next_attempt_at")
+    not_applied = {
+        (row["recipient_id"], row["attempt"])
+        for row in await db.fetch(_RECORD, *_record_arguments(results))
+    }
+    return {r.recipient_id for r in results if (r.recipient_id, r.attempt) not in not_applied}
+
+
+def _record_arguments(results: Sequence[AttemptResult]) -> list[Sequence[object]]:
+    """The parameters of _RECORD: one array per column, one element per result."""
+    return [
+        new_ids(len(results)),
+        [r.recipient_id for r in results],
+        [r.message_id for r in results],
+        [r.org_id for r in results],
+        [r.attempt for r in results],
+        [str(r.outcome) for r in results],
+        [r.started_at for r in results],
+        [r.duration for r in results],
+        [r.next_attempt_at for r in results],
+        [storable_text(r.mx_host) for r in results],
+        [storable_text(r.ip) for r in results],
+        [r.port for r in results],
+        [storable_text(r.tls_version) for r in results],
+        [storable_text(r.tls_cipher) for r in results],
+        [r.reply.code or None for r in results],
+        [storable_text(r.reply.enhanced_code) for r in results],
+        [storable_text(r.reply.text) for r in results],
+        [storable_text(r.category) for r in results],
+        [storable_text(r.rule) for r in results],
+        [storable_text(r.dkim) for r in results],
+    ]
+
+
+# ---------------------------------------------------------------- leases
+
+# A lease is named by its row AND the claim's attempt number: processes of one node share its name
+# as lease owner, so the name alone cannot tell a claim from a newer claim of the same row (taken
+# after the first one's lease ran out).
+_RENEW_FENCED = """
+UPDATE recipient r SET lease_until = now() + make_interval(secs => $3), updated_at = now()
+FROM unnest($1::uuid[], $4::int[]) AS v (id, attempt)
+WHERE r.id = v.id AND r.attempts = v.attempt AND r.status = 'delivering' AND r.lease_owner = $2
+"""
+
+
+async def renew_leases(
+    db: Executor,
+    ids: Sequence[uuid.UUID],
+    *,
+    owner: str,
+    lease: float,
+    attempts: Sequence[int],
+) -> int:
+    """Extend the lease of these very claims (ids with their attempt numbers) while `owner` still
+    holds them: a long transaction keeps its claim."""
+    return _count(await db.execute(_RENEW_FENCED, list(ids), owner, float(lease), list(attempts)))
+
+
+# Undo a claim that was never attempted (graceful shutdown): the attempt did not happen, so the
+# counter goes back down and the row is due again at once.
+_RELEASE_FENCED = """
+UPDATE recipient r
+SET status = 'queued', attempts = r.attempts - 1, lease_until = NULL, lease_owner = NULL,
+    next_attempt_at = COALESCE($4, r.next_attempt_at), updated_at = now()
+FROM unnest($1::uuid[], $3::int[]) AS v (id, attempt)
+WHERE r.id = v.id AND r.attempts = v.attempt AND r.status = 'delivering' AND r.lease_owner = $2
+"""
+
+
+async def release_leases(
+    db: Executor,
+    ids: Sequence[uuid.UUID],
+    *,
+    owner: str,
+    attempts: Sequence[int],
+    due_at: datetime | None = None,
+) -> int:
+    """Undo these very claims, never attempted (see _RENEW_FENCED): the attempt counter goes back
+    down and the rows are due again at once, or at `due_at` (a destination with no room now, its
+    rate or concurrency limit, gets them back when it should have room)."""
+    tag = await db.execute(_RELEASE_FENCED, list(ids), owner, list(attempts), due_at)
+    return _count(tag)
+
+
+# A lease that ran out (or that a restarted node held) stands for an attempt whose outcome nobody
+# recorded. The row goes back to queued, due at once, and the lost attempt is written to the log:
+# the message may or may not have reached the peer.
+_REQUEUE_LOST = """
+WITH lost AS (
+    SELECT id, lease_owner FROM recipient
+    WHERE status = 'delivering' AND {condition}
+    ORDER BY lease_until
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+), q AS (
+    UPDATE recipient r
+    SET status = 'queued', lease_until = NULL, lease_owner = NULL, updated_at = now(),
+        last_code = NULL, last_enhanced_code = NULL,
+        last_response = 'lease of ' || lost.lease_owner || ' ended before its attempt was recorded'
+    FROM lost WHERE r.id = lost.id
+    RETURNING r.id, r.message_id, r.org_id, r.attempts, r.last_response
+)
+INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, outcome, response)
+SELECT {id_function}, q.id, q.message_id, q.org_id, q.attempts, now(), 'deferred',
+       q.last_response || '; outcome unknown, delivery will be tried again'
+FROM q
+RETURNING recipient_id
+"""
+
+# Attempt ids made in SQL for these rare rows: a v4 id is fine (time order is only an index nicety).
+_SQL_ID = "gen_random_uuid()"
+
+_SWEEP = _REQUEUE_LOST.format(condition="lease_until < now()", id_function=_SQL_ID)
+# The leases of a node name's runs that are gone (lease owners are `<node name>/<run id>`). A run
+# is live while its row in `node` has it, is not stopped and has a fresh heartbeat (store/nodes.py);
+# a lease of a live run is never freed here, whatever its name, since that run may be mid-DATA.
+# Owners without a run id (written before runs had one) are left to the sweeper.
+# (lease_until IS NOT NULL: the rows in flight, through recipient_leased, not the whole table)
+_FREE_GONE_RUNS = _REQUEUE_LOST.format(
+    condition="""lease_until IS NOT NULL AND starts_with(lease_owner, $2 || '/')
+        AND NOT EXISTS (
+            SELECT 1 FROM node n
+            WHERE n.name = $2 AND lease_owner = n.name || '/' || n.run_id
+              AND n.stopped_at IS NULL
+              AND n.heartbeat_at >= now() - make_interval(secs => $3))""",
+    id_function=_SQL_ID,
+)
+
+
+async def requeue_expired_leases(db: Executor, *, limit: int = 1000) -> int:
+    """Put `delivering` rows whose lease ran out back to queued; returns how many."""
+    return len(await db.fetch(_SWEEP, limit))
+
+
+async def free_leases_of_gone_runs(
+    db: Executor, *, node_name: str, stale_after: float, limit: int = 100_000
+) -> int:
+    """At node start: rows that earlier runs of this node name held when they stopped or died go
+    back to queued at once, instead of waiting for their leases to run out. A run whose heartbeat
+    is younger than `stale_after` seconds keeps its rows."""
+    return len(await db.fetch(_FREE_GONE_RUNS, limit, node_name, float(stale_after)))
+
+
+def _count(command_tag: str) -> int:
+    """The row count of an "UPDATE n" / "DELETE n" command tag."""
+    return int(command_tag.rsplit(" ", 1)[-1])

@@ -1,0 +1,134 @@
+"""Queue upkeep: expiring recipients too old to deliver, purging finished messages, queue stats."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from pigeon_mta.store.executor import Executor
+
+# ---------------------------------------------------------------- expiry
+
+# Reads only due rows (through recipient_due): mail that is not due waits for its next attempt,
+# where the engine's own max_age check expires it.
+_EXPIRE = """
+WITH old AS (
+    SELECT id FROM recipient
+    WHERE status = 'queued' AND next_attempt_at <= now()
+      AND created_at < now() - make_interval(secs => $1)
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+), e AS (
+    UPDATE recipient r
+    SET status = 'expired', updated_at = now(), lease_until = NULL, lease_owner = NULL
+    FROM old WHERE r.id = old.id
+    RETURNING r.id, r.message_id, r.org_id, r.attempts, r.last_code, r.last_enhanced_code,
+              r.last_response
+)
+INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, outcome,
+                     code, enhanced_code, response, category)
+SELECT gen_random_uuid(), e.id, e.message_id, e.org_id, e.attempts, now(), 'expired',
+       e.last_code, e.last_enhanced_code,
+       'expired after ' || $3 || ' in the queue; last reply: ' || COALESCE(e.last_response, 'none'),
+       'expired'
+FROM e
+RETURNING recipient_id, message_id
+"""
+
+
+@dataclass(frozen=True)
+class ExpiredRecipient:
+    recipient_id: uuid.UUID
+    message_id: uuid.UUID
+
+
+async def expire_old_recipients(
+    db: Executor, *, max_age: float, max_age_text: str, limit: int = 1000
+) -> list[ExpiredRecipient]:
+    """Due recipients older than max_age become `expired` (with an attempt-log entry)."""
+    rows = await db.fetch(_EXPIRE, float(max_age), limit, max_age_text)
+    return [ExpiredRecipient(r["recipient_id"], r["message_id"]) for r in rows]
+
+
+# ---------------------------------------------------------------- retention
+
+# Message ids are UUIDv7, so "received before the cutoff" is a range of the primary key, which
+# the index serves; received_at decides, so that a row whose id is not time-ordered (made by hand
+# or by another tool) is never purged early. Only messages none of whose recipients is still
+# queued or being delivered are purged; recipients go with their message (ON DELETE CASCADE),
+# attempts by their recipients' ids (every statement of a WITH sees the rows as they were).
+#
+# The live check runs for each old message, through recipient_message, until the batch is full.
+# OFFSET 0 keeps it that way: without it PostgreSQL turns NOT EXISTS into an anti join and may
+# merge it with recipient_message read from its start up to the first live row; live rows are the
+# newest, so that read the whole history (1.8 s of a batch at 1M recipients, bench/admin_bench.py).
+# A deleted attempt's suppression entries are found through suppression_attempt (migration 0012).
+_PURGE = """
+WITH old AS (
+    SELECT m.id FROM message m
+    WHERE m.id < $1
+      AND m.received_at < now() - make_interval(secs => $3)
+      AND NOT EXISTS (SELECT 1 FROM recipient r
+                      WHERE r.message_id = m.id AND r.status IN ('queued', 'delivering')
+                      OFFSET 0)
+    ORDER BY m.id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+), a AS (
+    DELETE FROM attempt
+    WHERE recipient_id IN (SELECT r.id FROM recipient r WHERE r.message_id IN (SELECT id FROM old))
+)
+DELETE FROM message WHERE id IN (SELECT id FROM old)
+RETURNING id
+"""
+
+
+async def purge_finished_messages(db: Executor, *, older_than: float, limit: int = 1000) -> int:
+    """Delete up to `limit` finished messages received more than `older_than` seconds ago."""
+    cutoff = id_floor(time.time() - older_than)
+    return len(await db.fetch(_PURGE, cutoff, limit, float(older_than)))
+
+
+def id_floor(unix_time: float) -> uuid.UUID:
+    """The smallest UUIDv7 made at `unix_time`: every id made earlier sorts below it."""
+    millis = max(0, int(unix_time * 1000))
+    return uuid.UUID(int=(millis << 80) | (0x7 << 76) | (0b10 << 62))
+
+
+# ---------------------------------------------------------------- stats
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    queued: int  # waiting, due or not
+    due: int  # queued and due now
+    deferred: int  # queued after at least one attempt
+    delivering: int  # claimed, under a lease
+    oldest_due_age: float  # seconds the longest-waiting due recipient has waited (0 if none)
+
+
+# Only the live part of the table is read (partial indexes), so the cost follows the queue depth,
+# not the history.
+_STATS = """
+SELECT
+    (SELECT count(*) FROM recipient WHERE status = 'queued') AS queued,
+    (SELECT count(*) FROM recipient WHERE status = 'queued' AND next_attempt_at <= now()) AS due,
+    (SELECT count(*) FROM recipient WHERE status = 'queued' AND attempts > 0) AS deferred,
+    -- the rows in flight (lease_until is set exactly while status = 'delivering', migration 0006)
+    (SELECT count(*) FROM recipient WHERE lease_until IS NOT NULL) AS delivering,
+    (SELECT COALESCE(extract(epoch FROM now() - min(next_attempt_at)), 0)
+       FROM recipient WHERE status = 'queued' AND next_attempt_at <= now()) AS oldest_due_age
+"""
+
+
+async def queue_stats(db: Executor) -> QueueStats:
+    row = await db.fetchrow(_STATS)
+    assert row is not None
+    return QueueStats(
+        queued=row["queued"],
+        due=row["due"],
+        deferred=row["deferred"],
+        delivering=row["delivering"],
+        oldest_due_age=float(row["oldest_due_age"]),
+    )
