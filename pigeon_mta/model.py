@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 
 
@@ -189,4 +189,3 @@ class AttemptResult:
     category: str | None = None  # bounce classification category
     rule: str | None = None  # the classification rule that matched
     dkim: str | None = None  # Signed.dkim of the message this attempt sent
-    extra: dict[str, str] = field(default_factory=dict)

@@ -22,7 +22,6 @@ from pigeon_mta.store.queue import NOTIFY_CHANNEL
 
 # "deferred" is not a status column value: it is a queued row that was attempted before.
 DEFERRED = "deferred"
-LIVE_STATUSES = (Status.QUEUED, Status.DELIVERING)
 HISTORY_STATUSES = (
     Status.DELIVERED,
     Status.BOUNCED,

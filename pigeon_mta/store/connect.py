@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,11 +117,3 @@ async def _keep_session(_conn: asyncpg.Connection) -> None:
     """Pool connections are returned as they are: asyncpg still rolls back an open transaction,
     and pigeon never changes session state on them (no SET, LISTEN or advisory locks), so the
     default reset query would only cost a round trip per release (one per enqueued message)."""
-
-
-def describe_error(exc: BaseException) -> str:
-    """One sentence for the operator about a database failure."""
-    text = str(exc).strip() or type(exc).__name__
-    if isinstance(exc, OSError) and os.strerror(exc.errno or 0) not in text:
-        return f"{text}"
-    return text

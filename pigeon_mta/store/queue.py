@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
-from datetime import datetime
 
 from pigeon_mta.ids import new_id, new_ids
-from pigeon_mta.model import Envelope, Status
+from pigeon_mta.model import Envelope
 from pigeon_mta.store.executor import Executor
 
 NOTIFY_CHANNEL = "pigeon_queue"
@@ -151,44 +149,3 @@ async def enqueue_many(
         [e.tls_version for _q, e in batch],
         [e.tls_cipher for _q, e in batch],
     )
-
-
-# ---------------------------------------------------------------- reading
-
-
-@dataclass(frozen=True)
-class RecipientState:
-    id: uuid.UUID
-    message_id: uuid.UUID
-    address: str
-    status: Status
-    attempts: int
-    next_attempt_at: datetime
-    lease_owner: str | None
-    last_code: int | None
-    last_enhanced_code: str | None
-    last_response: str | None
-
-
-async def recipients_of_message(db: Executor, message_id: uuid.UUID) -> list[RecipientState]:
-    rows = await db.fetch(
-        """SELECT id, message_id, address, status, attempts, next_attempt_at, lease_owner,
-                  last_code, last_enhanced_code, last_response
-           FROM recipient WHERE message_id = $1 ORDER BY address""",
-        message_id,
-    )
-    return [
-        RecipientState(
-            id=r["id"],
-            message_id=r["message_id"],
-            address=r["address"],
-            status=Status(r["status"]),
-            attempts=r["attempts"],
-            next_attempt_at=r["next_attempt_at"],
-            lease_owner=r["lease_owner"],
-            last_code=r["last_code"],
-            last_enhanced_code=r["last_enhanced_code"],
-            last_response=r["last_response"],
-        )
-        for r in rows
-    ]

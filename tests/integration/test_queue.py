@@ -46,9 +46,12 @@ async def test_enqueue_writes_message_and_every_recipient(
     assert qid.version == 7
     msg = await pool.fetchrow("SELECT * FROM message WHERE id = $1", qid)
     assert msg["sender"] == "alice@example.com" and msg["size"] == len(msg["body"])
-    rows = await queue.recipients_of_message(pool, qid)
-    assert [r.address for r in rows] == ["a@one.example", "b@Two.Example", "c@one.example"]
-    assert all(r.status == "queued" and r.attempts == 0 for r in rows)
+    rows = await pool.fetch(
+        "SELECT address, status, attempts FROM recipient WHERE message_id = $1 ORDER BY address",
+        qid,
+    )
+    assert [r["address"] for r in rows] == ["a@one.example", "b@Two.Example", "c@one.example"]
+    assert all(r["status"] == "queued" and r["attempts"] == 0 for r in rows)
     domains = await pool.fetch(
         "SELECT domain FROM recipient WHERE message_id = $1 ORDER BY address", qid
     )
