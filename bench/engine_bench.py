@@ -163,7 +163,7 @@ def envelope(org_id: uuid.UUID, index: int) -> Envelope:
         recipients=(f"rcpt{index}@dest.test",),
         body=body(index),
         listener="bench",
-        message_id=f"bench-{index}@sender.test",
+        header_message_id=f"bench-{index}@sender.test",
     )
 
 

@@ -207,7 +207,7 @@ def _dsn(
         recipients=(original.sender,),
         body=body,
         listener=DSN_LISTENER,
-        message_id=message_id,
+        header_message_id=message_id,
     )
 
 

@@ -108,7 +108,7 @@ def reception_records(
             RECEPTION,
             timestamp=received_at,
             queue_id=queue_id,
-            message_id=envelope.message_id,
+            message_id=envelope.header_message_id,
             org=envelope.org_id,
             sender=envelope.sender,
             recipient=recipient,

@@ -64,7 +64,7 @@ class Envelope:
     recipients: tuple[str, ...]
     body: bytes
     listener: str
-    message_id: str | None = None  # the Message-ID header value, without angle brackets
+    header_message_id: str | None = None  # the Message-ID header value, without angle brackets
     client_ip: str | None = None
     client_helo: str | None = None
     credential_id: uuid.UUID | None = None

@@ -65,7 +65,7 @@ class Trace:
 @dataclass(frozen=True)
 class Fixed:
     data: bytes
-    message_id: str | None  # the Message-ID header value (ours when it was added)
+    header_message_id: str | None  # the Message-ID header value (ours when it was added)
     # (name, value) of each originator field, in message order: for the sender policy.
     address_fields: list[tuple[str, str]]
 

@@ -321,7 +321,7 @@ class SubmissionHandler:
             recipients=recipients,
             body=fixed.data,
             listener=self.ctx.name,
-            message_id=fixed.message_id,
+            header_message_id=fixed.header_message_id,
             client_ip=conv.client_ip,
             client_helo=_printable(conv.helo),
             credential_id=conv.login.id if conv.login else None,
@@ -340,7 +340,7 @@ class SubmissionHandler:
             sender=sender,
             recipients=recipients,
             size=len(fixed.data),
-            message_id=fixed.message_id,
+            header_message_id=fixed.header_message_id,
             tls=f"{conv.tls_version} {conv.tls_cipher}" if conv.tls_version else None,
             received_at=received_at,
             # Recorded only: the client's claim, never a policy input (mail_params.py).

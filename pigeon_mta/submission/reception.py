@@ -29,7 +29,7 @@ class Reception:
     sender: str  # "" is the null sender
     recipients: tuple[str, ...]
     size: int
-    message_id: str | None  # the Message-ID header value, without angle brackets
+    header_message_id: str | None  # the Message-ID header value, without angle brackets
     tls: str | None  # "TLSv1.3 TLS_AES_256_GCM_SHA384", None without TLS
     received_at: datetime
     # MAIL's AUTH= (RFC 4954 section 5), as the client claimed it: "" for AUTH=<>, None if absent.
@@ -48,6 +48,6 @@ def record_reception(reception: Reception) -> None:
         reception.sender,
         len(reception.recipients),
         reception.size,
-        reception.message_id or "",
+        reception.header_message_id or "",
         auth_param,
     )

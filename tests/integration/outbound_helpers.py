@@ -34,7 +34,7 @@ async def send(
             recipients=recipients,
             body=body,
             listener="test",
-            message_id=f"{uuid.uuid4()}@sender.test",
+            header_message_id=f"{uuid.uuid4()}@sender.test",
         ),
     )
 

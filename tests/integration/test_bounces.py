@@ -38,7 +38,7 @@ async def send(
             recipients=recipients,
             body=BODY,
             listener="relay",
-            message_id="m1@example.com",
+            header_message_id="m1@example.com",
         ),
     )
 

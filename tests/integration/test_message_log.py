@@ -35,7 +35,7 @@ def story_envelope(org_id: uuid.UUID, recipients: tuple[str, ...], message_id: s
         recipients=recipients,
         body=f"Message-ID: <{message_id}>\r\nSubject: hi\r\n\r\nhello\r\n".encode(),
         listener="submission",
-        message_id=message_id,
+        header_message_id=message_id,
         client_ip="192.0.2.7",
         client_helo="client.example",
         auth_user="alice",

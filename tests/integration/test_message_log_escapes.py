@@ -27,7 +27,7 @@ async def test_hostile_helo_and_reply_text_are_escaped(
         recipients=("bob@example.net",),
         body=b"Subject: hi\r\n\r\nhello\r\n",
         listener="relay",
-        message_id=None,
+        header_message_id=None,
         client_ip="192.0.2.7",
         client_helo=HELO,
         auth_user=None,

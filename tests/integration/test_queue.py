@@ -28,7 +28,7 @@ def envelope(
         recipients=recipients or ("bob@example.net",),
         body=body,
         listener="relay",
-        message_id="abc@example.com",
+        header_message_id="abc@example.com",
         client_ip="127.0.0.1",
     )
 

@@ -69,7 +69,7 @@ def test_a_bounce_is_a_multipart_report_with_the_status_and_diagnostic() -> None
     assert msg["To"].addresses[0].addr_spec == "alice@example.com"
     assert msg["Auto-Submitted"] == "auto-replied"
     assert msg["In-Reply-To"] == "<abc123@example.com>"
-    assert msg["Message-ID"] == f"<{env.message_id}>"
+    assert msg["Message-ID"] == f"<{env.header_message_id}>"
     assert [p.get_content_type() for p in msg.iter_parts()] == [
         "text/plain",
         "message/delivery-status",

@@ -33,7 +33,7 @@ def envelope() -> Envelope:
         recipients=("bob@example.net", "carol@example.org"),
         body=b"Subject: hi\r\n\r\nhello\r\n",
         listener="submission",
-        message_id="m1@example.com",
+        header_message_id="m1@example.com",
         client_ip="192.0.2.7",
         client_helo="client.example",
         auth_user="alice",

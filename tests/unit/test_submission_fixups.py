@@ -46,7 +46,7 @@ def test_line_endings(raw: bytes, normalized: bytes) -> None:
 
 def test_missing_message_id_and_date_are_added_and_trace_goes_on_top() -> None:
     fixed = apply_fixups(b"Subject: hi\r\n\r\nbody\r\n", trace(), new_message_id="new@mta.test")
-    assert fixed.message_id == "new@mta.test"
+    assert fixed.header_message_id == "new@mta.test"
     assert fixed.data == (
         b"Received: from client.example ([192.0.2.7])\r\n"
         b"\t(using TLSv1.3 with cipher TLS_AES_256_GCM_SHA384)\r\n"
@@ -64,7 +64,7 @@ def test_missing_message_id_and_date_are_added_and_trace_goes_on_top() -> None:
 def test_existing_headers_are_kept() -> None:
     raw = b"Message-ID:\r\n <abc@app>\r\nDate: Sun, 5 May 2024 00:00:00 +0000\r\nFrom: a@b\r\n\r\nx\r\n"
     fixed = apply_fixups(raw, trace(), new_message_id="unused@mta.test")
-    assert fixed.message_id == "abc@app"
+    assert fixed.header_message_id == "abc@app"
     assert fixed.data.endswith(raw)
     assert fixed.address_fields == [("from", "a@b")]
 
