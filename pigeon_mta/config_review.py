@@ -144,11 +144,13 @@ def _self_signed_warnings(settings: Settings) -> list[str]:
     without = [lsn.name for lsn in settings.listener if not lsn.tls_cert]
     if not without:
         return []
-    which, have = ("listener", "has") if len(without) == 1 else ("listeners", "have")
+    which, have, use = (
+        ("listener", "has", "uses") if len(without) == 1 else ("listeners", "have", "use")
+    )
     return [
-        f"{which} {', '.join(without)} {have} no tls_cert/tls_key and use the self-signed "
-        f"certificate {self_signed_path(settings)}, which clients that verify certificates "
-        "refuse; configure a real one"
+        f"{which} {', '.join(without)} {have} no tls_cert/tls_key and {use} the self-signed "
+        f"certificate {self_signed_path(settings)} (clients that verify certificates refuse it "
+        "unless told to trust it; configure a real one)"
     ]
 
 

@@ -117,8 +117,8 @@ delivery_log = ""
 
     serve = ServeProcess("--config", str(config))
     try:
-        line = await asyncio.to_thread(serve.wait_for, "using the self-signed certificate")
-        ca_file = re.search(r"using the self-signed certificate (\S+)", line)
+        line = await asyncio.to_thread(serve.wait_for, "uses the self-signed certificate")
+        ca_file = re.search(r"uses the self-signed certificate (\S+)", line)
         assert ca_file, line
         await asyncio.to_thread(serve.wait_for, "listener submission bound on")
 
