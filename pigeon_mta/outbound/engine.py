@@ -42,9 +42,10 @@ from pigeon_mta.outbound.attempt import (
     wire_message,
 )
 from pigeon_mta.outbound.classify import backoff_delay, classify, give_up_repeated_failure
+from pigeon_mta.outbound.connect import ConnectOptions
 from pigeon_mta.outbound.limits import Gate, Gates, policy_for
 from pigeon_mta.outbound.mx import Route, RouteFailure, Router
-from pigeon_mta.outbound.pool import ConnectionPool, ConnectOptions, NotConnected
+from pigeon_mta.outbound.pool import ConnectionPool, NotConnected
 from pigeon_mta.signer import KeysUnavailable
 from pigeon_mta.store import bounces as store_bounces
 from pigeon_mta.store import queue as store_queue

@@ -17,7 +17,7 @@ import pytest
 from pigeon_mta.config import DestinationSettings
 from pigeon_mta.metrics import OUTBOUND_CONNECTION_REUSES, OUTBOUND_CONNECTIONS_OPEN
 from pigeon_mta.model import Envelope
-from pigeon_mta.outbound.pool import ConnectOptions, PoolKey, open_connection
+from pigeon_mta.outbound.connect import ConnectionKey, ConnectOptions, open_connection
 from pigeon_mta.store import queue
 from tests.integration.outbound_helpers import BODY, running_engine, wait_until
 from tests.peers.world import World, mail_world
@@ -249,7 +249,7 @@ async def test_idle_connections_are_closed_after_the_idle_timeout(
 async def test_client_connections_set_tcp_nodelay(world: World) -> None:
     options = ConnectOptions("pigeon.test", connect_timeout=5, command_timeout=5)
     conn = await open_connection(
-        PoolKey("mx1.order.test", "127.0.0.2", world.port, "none"), options
+        ConnectionKey("mx1.order.test", "127.0.0.2", world.port, "none"), options
     )
     try:
         sock = conn.client.get_transport_info("socket")
