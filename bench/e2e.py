@@ -180,8 +180,10 @@ async def transactions(conn: asyncpg.Connection) -> int:
 
 def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # Run from the checkout: `python -m` puts the working directory first on sys.path, so the
+    # code measured is this checkout's, whatever directory the bench was started from.
     return subprocess.run(
-        cmd, capture_output=True, text=True, env=env, check=True, timeout=120, **kwargs
+        cmd, capture_output=True, text=True, env=env, check=True, timeout=120, cwd=REPO, **kwargs
     )  # type: ignore[call-overload,no-any-return]
 
 
@@ -378,6 +380,7 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
         stdout=serve_log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
     )
     results: dict[str, object] = {}
     conn = await asyncpg.connect(db_url)
