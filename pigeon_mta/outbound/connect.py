@@ -1,9 +1,9 @@
-"""Opening one outbound SMTP connection (greeting, EHLO, STARTTLS, AUTH), and the memory of hosts
-whose opportunistic STARTTLS failed.
+"""Opening one outbound SMTP connection: greeting, EHLO, STARTTLS, AUTH, and STARTTLS fallbacks.
 
-aiosmtplib runs the set-up; then the connection's transport goes to a `Wire` (wire.py), which
-carries the mail transactions. A connection that cannot be opened raises `ConnectFailed` with the
-stage and the reply or error that said so, for `classify` to judge.
+`TlsFallbacks` remembers the addresses whose opportunistic STARTTLS failed, so that they get
+plaintext at once for a while. aiosmtplib runs the set-up; then the connection's transport goes to
+a `Wire` (wire.py), which carries the mail transactions. A connection that cannot be opened raises
+`ConnectFailed` with the stage and the reply or error that said so, for `classify` to judge.
 """
 
 from __future__ import annotations

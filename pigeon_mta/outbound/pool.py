@@ -1,5 +1,4 @@
-"""Pooling outbound SMTP connections: reuse per key, ceilings, idle reaping, and finding a working
-connection for a route.
+"""Pooled outbound SMTP connections: reuse per key, ceilings, idle reaping, the walk of a route.
 
 Connections are keyed by (MX host, IP, port, TLS mode, AUTH user) and reused across messages, with
 a RSET before each reuse to prove the connection still works. Each key has a ceiling on open

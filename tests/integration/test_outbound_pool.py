@@ -256,3 +256,25 @@ async def test_client_connections_set_tcp_nodelay(world: World) -> None:
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
     finally:
         await conn.quit()
+
+
+async def test_domains_with_one_mx_host_share_its_connections(
+    world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
+) -> None:
+    # order.test and bücher.test both have MX mx1.order.test: connections are pooled by the host
+    # that receives the mail (as KumoMTA pools by site), so one connection carries both.
+    settings = world.settings(db_url, max_connections_per_host=1, max_messages_per_connection=1000)
+    await queue_many(
+        pool,
+        org_id,
+        [f"user{i}@order.test" for i in range(5)]
+        + [f"user{i}@xn--bcher-kva.test" for i in range(5)],
+    )
+    async with running_engine(settings, pool, db_url):
+
+        async def all_delivered() -> bool:
+            return await count_status(pool, "delivered") == 10
+
+        await wait_until(all_delivered, 60, "10 deliveries")
+    assert len(world.sinks.messages) == 10
+    assert world.sinks.connections["127.0.0.2"] == 1
