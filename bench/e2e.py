@@ -4,6 +4,11 @@
         --> PostgreSQL (fresh database, fsync on) --> engine (RSA-2048 DKIM) --SMTP (relayhost)-->
         smtp-sink on loopback
 
+With --route mx the engine finds the sink by MX lookup instead of through `delivery.relayhost`:
+sink.test MX mx.sink.test, A 127.0.0.2, served by a loopback DNS server (tests/peers/dns_server.py)
+in this process; the answers' TTL outlasts the run, so the workers' resolver cache answers all but
+the first lookup. With --sink-dump smtp-sink appends every message to a file.
+
 Phase 1 (capacity): smtp-source sends --messages over reused connections as fast as pigeon takes
 them; reported: accept rate (messages / time until smtp-source finished), end-to-end rate (messages /
 time until the last one was delivered), the queue depth seen while it ran, and CPU per component.
@@ -13,6 +18,7 @@ attempt start + duration; accept time = the message row's received_at, the commi
 the 250). Also: peak RSS per pigeon process. Bounded in count and time; loopback only.
 
     .venv/bin/python bench/e2e.py [--messages 20000] [--processes 2] [--dkim rsa|ed25519|none]
+        [--route relayhost|mx] [--sink-dump]
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ import asyncpg
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from tests.peers.dns_server import DnsServer  # noqa: E402
+
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -172,8 +180,10 @@ async def transactions(conn: asyncpg.Connection) -> int:
 
 def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # Run from the checkout: `python -m` puts the working directory first on sys.path, so the
+    # code measured is this checkout's, whatever directory the bench was started from.
     return subprocess.run(
-        cmd, capture_output=True, text=True, env=env, check=True, timeout=120, **kwargs
+        cmd, capture_output=True, text=True, env=env, check=True, timeout=120, cwd=REPO, **kwargs
     )  # type: ignore[call-overload,no-any-return]
 
 
@@ -249,6 +259,33 @@ async def delivered(conn: asyncpg.Connection) -> int:
     return int(await conn.fetchval("SELECT count(*) FROM recipient WHERE status = 'delivered'"))
 
 
+async def reuse_counts(metrics_port: int) -> dict[str, float]:
+    """Outbound connections reused and open, from pigeon's /metrics (all workers together)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", metrics_port)
+    writer.write(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+    text = (await reader.read()).decode()
+    writer.close()
+    wanted = ("pigeon_outbound_connection_reuses_total", "pigeon_outbound_connections_open")
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in wanted:
+            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def route_config(route: str, sink_port: int, dns: DnsServer | None) -> str:
+    """The [delivery] and [dns] config that sends the bench's mail to the sink."""
+    if route == "relayhost" or dns is None:
+        return f'[delivery]\nrelayhost = "127.0.0.2:{sink_port}"\nrelayhost_tls = "none"\n'
+    # A TTL longer than any run: the MX path pays for the cache lookups, not for DNS queries.
+    dns.mx("sink.test", (10, "mx.sink.test"), ttl=3600)
+    dns.a("mx.sink.test", "127.0.0.2", ttl=3600)
+    return (
+        f'[delivery]\nport = {sink_port}\ntls = "none"\n[dns]\nnameservers = ["{dns.nameserver}"]\n'
+    )
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
@@ -266,6 +303,8 @@ async def main() -> None:
     parser.add_argument("--latency-seconds", type=float, default=30)
     parser.add_argument("--delivery-log", choices=["file", "off"], default="file")
     parser.add_argument("--timeout", type=float, default=300, help="phase 1 gives up after this")
+    parser.add_argument("--route", choices=["relayhost", "mx"], default="relayhost")
+    parser.add_argument("--sink-dump", action="store_true", help="smtp-sink writes every message")
     args = parser.parse_args()
     for tool in ("smtp-source", "smtp-sink"):
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
@@ -279,6 +318,7 @@ async def main() -> None:
     await admin.execute(f'CREATE DATABASE "{name}"')
     db_url = with_db(args.url, name)
     relay_port, sink_port, metrics_port = free_port(), free_port(), free_port()
+    dns = await DnsServer().start() if args.route == "mx" else None
     config = work / "pigeon.toml"
     config.write_text(
         f"""
@@ -295,10 +335,7 @@ address = "127.0.0.1:{relay_port}"
 mode = "relay"
 [relay]
 trusted_networks = ["127.0.0.0/8"]
-[delivery]
-relayhost = "127.0.0.2:{sink_port}"
-relayhost_tls = "none"
-[metrics]
+{route_config(args.route, sink_port, dns)}[metrics]
 listen = "127.0.0.1:{metrics_port}"
 [log]
 delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
@@ -325,8 +362,15 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
             ]
         )
 
+    dump: list[str] = []
+    if args.sink_dump:
+        # smtp-sink runs as nobody: its directory must be reachable and writable by it.
+        work.chmod(0o711)
+        (work / "sink").mkdir()
+        (work / "sink").chmod(0o777)
+        dump = ["-D", str(work / "sink" / "dump")]
     sink = subprocess.Popen(
-        [sink_cmd, "-u", "nobody", "127.0.0.2:" + str(sink_port), "1000"],
+        [sink_cmd, "-u", "nobody", *dump, "127.0.0.2:" + str(sink_port), "1000"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -336,6 +380,7 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
         stdout=serve_log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
     )
     results: dict[str, object] = {}
     conn = await asyncpg.connect(db_url)
@@ -405,6 +450,7 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
         wall = finished - began
         accepted = int(await conn.fetchval("SELECT count(*) FROM message"))
         e2e_done = await delivered(conn)
+        reuses = await reuse_counts(metrics_port)
         results["phase1"] = {
             "messages_offered": args.messages,
             "accepted": accepted,
@@ -420,6 +466,8 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
                 (await transactions(conn) - xacts) / max(1, e2e_done), 2
             ),
             **saturation(cpu, wall, workers, used),
+            "connection_reuses": reuses.get("pigeon_outbound_connection_reuses_total", 0),
+            "connections_open": reuses.get("pigeon_outbound_connections_open", 0),
             "load_stderr": (load.stderr.read().decode()[-300:] if load.stderr else ""),
         }
         # ---------------- phase 2: latency at half rate
@@ -484,10 +532,13 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
         serve_log.close()
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         await admin.close()
+        if dns is not None:
+            await dns.close()
         shutil.rmtree(work, ignore_errors=True)
     print(
         f"# e2e {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {platform.node()}, {os.cpu_count()} cores, "
-        f"processes={args.processes}, dkim={args.dkim}, {args.size} B messages, {args.sessions} sessions, "
+        f"processes={args.processes}, dkim={args.dkim}, route={args.route}, "
+        f"sink_dump={args.sink_dump}, load {os.getloadavg()[0]:.1f}, {args.size} B messages, {args.sessions} sessions, "
         f"fsync={fsync}, synchronous_commit={sync_commit}"
     )
     print(json.dumps(results, indent=2, default=float))

@@ -20,7 +20,8 @@ import aiosmtplib
 from pigeon_mta.domains import ascii_domain
 from pigeon_mta.model import ClaimedRecipient, Reply
 from pigeon_mta.outbound.classify import Stage, parse_reply
-from pigeon_mta.outbound.pool import Connected, NotConnected, SmtpConnection
+from pigeon_mta.outbound.connect import SmtpConnection
+from pigeon_mta.outbound.pool import Connected, NotConnected
 
 _BARE_LINE_END = re.compile(rb"\r(?!\n)|(?<!\r)\n")
 

@@ -26,10 +26,11 @@ from pigeon_mta.outbound.attempt import (
     transact,
     wire_message,
 )
+from pigeon_mta.outbound.connect import ConnectOptions
 from pigeon_mta.outbound.limits import Gate, Gates, policy_for
 from pigeon_mta.outbound.mx import Route, RouteFailure, Router
 from pigeon_mta.outbound.outcome import judge
-from pigeon_mta.outbound.pool import ConnectionPool, ConnectOptions, NotConnected
+from pigeon_mta.outbound.pool import ConnectionPool, NotConnected
 from pigeon_mta.signer import KeysUnavailable
 
 log = logging.getLogger(__name__)

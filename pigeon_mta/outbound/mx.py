@@ -5,16 +5,24 @@ up: MX hosts in preference order with equal preferences shuffled, at most five; 
 domain itself (implicit MX, RFC 5321 5.1); a null MX (RFC 7505) and NXDOMAIN are permanent; SERVFAIL
 and timeouts are temporary. Answers, negative ones included, are cached for their TTL by dnspython's
 cache. Host addresses come from A and AAAA in the configured family order.
+
+What a domain's MX answer and a host's address answers came to is also kept here until the first of
+those answers expires (`_Remembered`): every message asks for its route, and even an answer from
+dnspython's cache costs a resolution, name parsing and, for a negative answer, an exception whose
+text is formatted at once: about 16% more worker CPU per message than the relayhost route, where
+the memory leaves it even (bench/README.md, "MX routing against relayhost").
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import random
+import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 import dns.asyncresolver
 import dns.exception
@@ -40,6 +48,9 @@ log = logging.getLogger(__name__)
 MAX_MX_HOSTS = 5
 
 RouteKind = Literal["mx", "implicit-mx", "route", "relayhost"]
+# A domain's MX hosts as (preference, host name), before shuffling; None: no MX records (implicit MX).
+MxRecords = tuple[tuple[int, str], ...] | None
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,29 @@ def is_ip_literal(host: str) -> bool:
     return True
 
 
+class _Remembered(Generic[T]):
+    """Values built from DNS answers, each kept until the first of its answers expires (wall
+    clock, as dnspython's `Answer.expiration`); at most `size`, the oldest dropped first."""
+
+    def __init__(self, size: int) -> None:
+        self._size = max(1, size)
+        self._entries: dict[str, tuple[float, T]] = {}
+
+    def get(self, key: str) -> T | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if entry[0] <= time.time():
+            del self._entries[key]
+            return None
+        return entry[1]
+
+    def put(self, key: str, value: T, expires: float) -> None:
+        if key not in self._entries and len(self._entries) >= self._size:
+            del self._entries[next(iter(self._entries))]
+        self._entries[key] = (expires, value)
+
+
 def make_resolver(settings: Settings) -> dns.asyncresolver.Resolver:
     """dnspython's async resolver: the configured nameservers (or the system's), with a TTL cache."""
     if settings.dns.nameservers:
@@ -110,6 +144,8 @@ class Router:
         self._rng = rng or random.Random()
         self._timeout = settings.dns.timeout
         self._preference: IpPreference = settings.delivery.ip_preference
+        self._mx: _Remembered[tuple[str, MxRecords]] = _Remembered(settings.dns.cache_size)
+        self._addresses: _Remembered[tuple[str, ...]] = _Remembered(settings.dns.cache_size)
         self._routes = {
             self._normalize(domain): route_target(target, default_port=25)
             for domain, target in settings.delivery.routes.items()
@@ -121,7 +157,9 @@ class Router:
         )
 
     @staticmethod
+    @functools.lru_cache(maxsize=4096)
     def _normalize(domain: str) -> str:
+        # Cached: every message's domain is looked up here, and IDNA encoding is not free.
         try:
             return ascii_domain(domain)
         except ValueError:
@@ -158,35 +196,52 @@ class Router:
             if not is_ip_literal(literal):
                 return RouteFailure(Reply(0, "5.1.2", f"{domain} is not a valid address literal"))
             return Route(f"mx:{domain}", "implicit-mx", (Hop(literal, self._delivery.port),))
+        known = self._mx.get(domain)
+        if known is None:
+            found = await self._lookup_mx(domain)
+            if isinstance(found, RouteFailure):
+                return found
+            known = found
+        name, records = known
+        if records is None:
+            return await self._implicit_mx(name)
+        # Equal preferences are shuffled (RFC 5321 5.1) to spread load over peer hosts.
+        real = list(records)
+        self._rng.shuffle(real)
+        real.sort(key=lambda item: item[0])
+        hops = tuple(Hop(host, self._delivery.port, p) for p, host in real[:MAX_MX_HOSTS])
+        return Route(f"mx:{name}", "mx", hops)
+
+    async def _lookup_mx(self, domain: str) -> tuple[str, MxRecords] | RouteFailure:
+        """The domain's A-label name and its MX records, remembered for the answer's TTL."""
         try:
             name = ascii_domain(domain)
         except ValueError as exc:
             return RouteFailure(Reply(0, "5.1.2", str(exc)))
         try:
-            answer = await self._resolver.resolve(name, "MX", search=False, lifetime=self._timeout)
+            answer = await self._resolver.resolve(
+                name, "MX", search=False, lifetime=self._timeout, raise_on_no_answer=False
+            )
         except dns.resolver.NXDOMAIN:
             return RouteFailure(Reply(0, "5.1.2", f"domain {name} does not exist (NXDOMAIN)"))
-        except dns.resolver.NoAnswer:
-            return await self._implicit_mx(name)
         except dns.exception.DNSException as exc:
             return RouteFailure(
                 Reply(0, "4.4.3", f"MX lookup for {name} failed: {_dns_error(exc)}")
             )
+        if answer.rrset is None:
+            self._mx.put(domain, (name, None), answer.expiration)
+            return name, None
         records = [(r.preference, r.exchange) for r in answer]
-        real = [(p, x) for p, x in records if x != dns.name.root]
+        real = tuple(
+            (p, x.to_text(omit_final_dot=True).lower()) for p, x in records if x != dns.name.root
+        )
         if not real:
             # RFC 7505: a null MX says the domain accepts no mail at all.
             return RouteFailure(
                 Reply(0, "5.1.10", f"domain {name} accepts no mail (null MX, RFC 7505)")
             )
-        # Equal preferences are shuffled (RFC 5321 5.1) to spread load over peer hosts.
-        self._rng.shuffle(real)
-        real.sort(key=lambda item: item[0])
-        hops = tuple(
-            Hop(x.to_text(omit_final_dot=True).lower(), self._delivery.port, p)
-            for p, x in real[:MAX_MX_HOSTS]
-        )
-        return Route(f"mx:{name}", "mx", hops)
+        self._mx.put(domain, (name, real), answer.expiration)
+        return name, real
 
     async def _implicit_mx(self, name: str) -> Route | RouteFailure:
         # RFC 5321 5.1: with no MX records the domain itself is the host, if it has an address.
@@ -197,6 +252,9 @@ class Router:
 
     async def addresses(self, host: str) -> list[str] | RouteFailure:
         """The IP addresses of `host` in the configured family order."""
+        known = self._addresses.get(host)
+        if known is not None:
+            return list(known)
         if is_ip_literal(host):
             return [host]
         families: list[str] = {
@@ -208,31 +266,36 @@ class Router:
         answers = await asyncio.gather(*(self._lookup(host, rdtype) for rdtype in families))
         found: list[str] = []
         errors: list[str] = []
-        missing = 0
-        for result in answers:
+        expires: list[float] = []
+        for result, expiration in answers:
             if isinstance(result, list):
                 found.extend(result)
-            elif result is None:
-                missing += 1
-            else:
+            elif isinstance(result, str):
                 errors.append(result)
+            if expiration is not None:
+                expires.append(expiration)
         if found:
+            if len(expires) == len(answers):  # every family answered, with a TTL
+                self._addresses.put(host, tuple(found), min(expires))
             return found
         if errors:
             return RouteFailure(Reply(0, "4.4.3", f"address lookup for {host} failed: {errors[0]}"))
         return RouteFailure(Reply(0, "5.1.2", f"host {host} has no {' or '.join(families)} record"))
 
-    async def _lookup(self, host: str, rdtype: str) -> list[str] | str | None:
-        """Addresses; None when the name has none of this type; an error text when DNS failed."""
+    async def _lookup(self, host: str, rdtype: str) -> tuple[list[str] | str | None, float | None]:
+        """Addresses; None when the name has none of this type; an error text when DNS failed.
+        With it, when the answer expires (None when there was no answer to keep)."""
         try:
             answer = await self._resolver.resolve(
-                host, rdtype, search=False, lifetime=self._timeout
+                host, rdtype, search=False, lifetime=self._timeout, raise_on_no_answer=False
             )
-        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
-            return None
+        except dns.resolver.NXDOMAIN:
+            return None, None
         except dns.exception.DNSException as exc:
-            return _dns_error(exc)
-        return [r.address for r in answer]
+            return _dns_error(exc), None
+        if answer.rrset is None:
+            return None, answer.expiration
+        return [r.address for r in answer], answer.expiration
 
 
 def _dns_error(exc: dns.exception.DNSException) -> str:

@@ -1,14 +1,14 @@
 """Commands out and replies in on an open client connection, pipelined when the server allows it.
 
-aiosmtplib opens a connection (greeting, EHLO, STARTTLS, AUTH); then `Wire` takes over its
-transport for the mail transactions. aiosmtplib's own protocol expects one reply per read and
+aiosmtplib opens a connection (greeting, EHLO, STARTTLS, AUTH: connect.py); then `Wire` takes over
+its transport for the mail transactions. aiosmtplib's own protocol expects one reply per read and
 drops what follows it in the same segment, so it cannot pipeline (RFC 2920: MAIL, every RCPT and
 DATA in one write, the replies read back in order). `Wire` keeps every complete reply it receives,
 in order, until it is read. Pipelining saves two round trips per message: over a WAN that is
 latency, on loopback it is CPU (each round trip wakes both processes).
 
 Errors are aiosmtplib's (a ConnectionError for a lost connection, a TimeoutError for a reply that
-did not come), so `classify` judges them as before.
+did not come), so `classify` judges them as it judges errors from the set-up.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import ipaddress
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import asyncpg
 
@@ -17,9 +17,6 @@ from pigeon_mta.store import orgs as store_orgs
 from pigeon_mta.store.group_commit import GroupCommit
 from pigeon_mta.submission.auth import Authenticator
 from pigeon_mta.submission.tls import ListenerTLS
-
-if TYPE_CHECKING:
-    from pigeon_mta.submission.protocol import SMTPSession
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -37,6 +34,15 @@ class Conversation:
     login: store_credentials.Login | None = None
     # The org's answers to "may it send as this domain?", asked once per connection.
     sender_domains: dict[str, bool] = field(default_factory=dict)
+
+
+class OpenSession(Protocol):
+    """What a listener's shutdown needs of one of its open connections (protocol.SMTPSession,
+    which imports this module: the listener's state does not import the protocol)."""
+
+    enqueuing: int  # commits under way; shutdown waits for them
+
+    def close_with(self, reply: str) -> None: ...
 
 
 class ConnectionCounter:
@@ -93,7 +99,7 @@ class ListenerContext:
     trusted_org_id: TrustedOrg
     trusted_networks: tuple[IPNetwork, ...]
     group_commit: GroupCommit
-    sessions: set[SMTPSession] = field(default_factory=set)
+    sessions: set[OpenSession] = field(default_factory=set)
     shutting_down: bool = False
     # Reception records (after the commit) and the wake-up of this process's engine.
     delivery_log: DeliveryLog | None = None

@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 import dns.asyncresolver
+import dns.resolver
 import pytest
 
 from pigeon_mta.config import DnsSettings, Duration, Settings
@@ -115,3 +116,44 @@ async def test_the_test_server_answers_over_tcp_too(dns_server: DnsServer) -> No
     resolver: dns.asyncresolver.Resolver = make_resolver(settings)
     answer = await resolver.resolve("tcp.test", "MX", tcp=True)
     assert [r.exchange.to_text() for r in answer] == ["mx.tcp.test."]
+
+
+async def test_a_route_once_answered_asks_the_resolver_nothing_until_it_expires(
+    dns_server: DnsServer,
+) -> None:
+    # Every message asks for its route: after the first, the MX hosts and their addresses come
+    # from the router's memory, without a resolution (even one dnspython's cache would answer).
+    dns_server.mx("busy.test", (10, "mx.busy.test"), ttl=1)
+    dns_server.a("mx.busy.test", "127.0.0.2", ttl=1)
+    settings = Settings(dns=DnsSettings(nameservers=(dns_server.nameserver,), timeout=Duration(1)))
+    resolver = make_resolver(settings)
+    router = Router(settings, resolver)
+    cache = resolver.cache
+    assert isinstance(cache, dns.resolver.LRUCache)
+
+    async def deliver_one() -> list[str]:
+        route = await router.route("busy.test")
+        assert isinstance(route, Route)
+        addresses = await router.addresses(route.hops[0].host)
+        assert isinstance(addresses, list)
+        return addresses
+
+    assert await deliver_one() == ["127.0.0.2"]
+    asked = (cache.hits(), cache.misses())
+    for _ in range(20):
+        assert await deliver_one() == ["127.0.0.2"]
+    assert (cache.hits(), cache.misses()) == asked
+    await asyncio.sleep(1.5)
+    assert await deliver_one() == ["127.0.0.2"]
+    assert dns_server.asked("busy.test", "MX") == 2
+    assert dns_server.asked("mx.busy.test", "A") == 2
+
+
+async def test_a_changed_address_is_used_once_the_old_answer_expires(dns_server: DnsServer) -> None:
+    dns_server.a("moved.test", "127.0.0.2", ttl=1)
+    router = router_for(dns_server)
+    assert await router.addresses("moved.test") == ["127.0.0.2"]
+    dns_server.a("moved.test", "127.0.0.3", ttl=1)
+    assert await router.addresses("moved.test") == ["127.0.0.2"]  # within the TTL
+    await asyncio.sleep(1.5)
+    assert await router.addresses("moved.test") == ["127.0.0.3"]

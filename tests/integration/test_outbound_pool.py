@@ -17,7 +17,7 @@ import pytest
 from pigeon_mta.config import DestinationSettings
 from pigeon_mta.metrics import OUTBOUND_CONNECTION_REUSES, OUTBOUND_CONNECTIONS_OPEN
 from pigeon_mta.model import Envelope
-from pigeon_mta.outbound.pool import ConnectOptions, PoolKey, open_connection
+from pigeon_mta.outbound.connect import ConnectionKey, ConnectOptions, open_connection
 from pigeon_mta.store import queue
 from tests.integration.outbound_helpers import BODY, running_engine, wait_until
 from tests.peers.world import World, mail_world
@@ -249,10 +249,32 @@ async def test_idle_connections_are_closed_after_the_idle_timeout(
 async def test_client_connections_set_tcp_nodelay(world: World) -> None:
     options = ConnectOptions("pigeon.test", connect_timeout=5, command_timeout=5)
     conn = await open_connection(
-        PoolKey("mx1.order.test", "127.0.0.2", world.port, "none"), options
+        ConnectionKey("mx1.order.test", "127.0.0.2", world.port, "none"), options
     )
     try:
         sock = conn.client.get_transport_info("socket")
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
     finally:
         await conn.quit()
+
+
+async def test_domains_with_one_mx_host_share_its_connections(
+    world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
+) -> None:
+    # order.test and bücher.test both have MX mx1.order.test: connections are pooled by the host
+    # that receives the mail (as KumoMTA pools by site), so one connection carries both.
+    settings = world.settings(db_url, max_connections_per_host=1, max_messages_per_connection=1000)
+    await queue_many(
+        pool,
+        org_id,
+        [f"user{i}@order.test" for i in range(5)]
+        + [f"user{i}@xn--bcher-kva.test" for i in range(5)],
+    )
+    async with running_engine(settings, pool, db_url):
+
+        async def all_delivered() -> bool:
+            return await count_status(pool, "delivered") == 10
+
+        await wait_until(all_delivered, 60, "10 deliveries")
+    assert len(world.sinks.messages) == 10
+    assert world.sinks.connections["127.0.0.2"] == 1
