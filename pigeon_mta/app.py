@@ -33,6 +33,7 @@ from pigeon_mta.observability.health import Readiness, publish_queue_stats
 from pigeon_mta.observability.http import ObservabilityServer
 from pigeon_mta.store import bounces as store_bounces
 from pigeon_mta.store import connect as store_connect
+from pigeon_mta.store import duplicates as store_duplicates
 from pigeon_mta.store import events as store_events
 from pigeon_mta.store import migrate as store_migrate
 from pigeon_mta.store import orgs as store_orgs
@@ -177,6 +178,8 @@ class Maintenance:
                     purged,
                     format_duration(keep),
                 )
+        # Duplicate-window entries whose window ended; duplicate receptions with their messages.
+        await store_duplicates.prune(self.pool, keep_records=keep)
 
 
 def format_duration(seconds: float) -> str:
