@@ -32,6 +32,7 @@ from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
 from pigeon_mta.outbound.claims import group_deliveries
 from pigeon_mta.store import leases, queue
 from pigeon_mta.store.connect import server_settings
+from pigeon_mta.store.duplicates import enqueue_submitted
 from pigeon_mta.store.group_commit import MAX_COMMITS, GroupCommit
 from pigeon_mta.store.migrate import migrate
 from pigeon_mta.store.orgs import ensure_org
@@ -47,6 +48,22 @@ BODY = (
 )[:5120]
 
 
+def bench_envelope(org_id: uuid.UUID, *, checked: bool) -> Envelope:
+    """One 5 KB message to one recipient; `checked`: with a Message-ID of its own (each one new)
+    and the default limits.duplicate_window, as most applications' mail is submitted."""
+    if not checked:
+        return Envelope(org_id, "bench@example.com", ("rcpt@example.net",), BODY, "bench")
+    return Envelope(
+        org_id,
+        "bench@example.com",
+        ("rcpt@example.net",),
+        BODY,
+        "bench",
+        header_message_id=f"{uuid.uuid4().hex}@bench.example",
+        duplicate_window=Settings().limits.duplicate_window,
+    )
+
+
 def with_db(url: str, name: str) -> str:
     p = urlsplit(url)
     return urlunsplit((p.scheme, p.netloc, "/" + name, p.query, ""))
@@ -60,6 +77,7 @@ async def enqueue_rate(
     seconds: float,
     *,
     notify: bool = True,
+    checked: bool = False,
 ) -> float:
     # With NOTIFY: the engine's DSNs, on its main pool; without: the submission path's commits.
     session = SERVICE if notify else COMMITS
@@ -70,11 +88,11 @@ async def enqueue_rate(
     async def run(conn: asyncpg.Connection) -> int:
         done = 0
         while done < per and time.monotonic() < deadline:
-            await queue.enqueue(
-                conn,
-                Envelope(org_id, "bench@example.com", ("rcpt@example.net",), BODY, "bench"),
-                notify=notify,
-            )
+            envelope = bench_envelope(org_id, checked=checked)
+            if checked:
+                await enqueue_submitted(conn, [(new_id(), envelope)])
+            else:
+                await queue.enqueue(conn, envelope, notify=notify)
             done += 1
         return done
 
@@ -87,7 +105,7 @@ async def enqueue_rate(
 
 
 async def group_commit_rate(
-    url: str, org_id: uuid.UUID, sessions: int, count: int, seconds: float
+    url: str, org_id: uuid.UUID, sessions: int, count: int, seconds: float, *, checked: bool = False
 ) -> float:
     """The submission path as it runs: `sessions` concurrent callers, each committing one message
     at a time through one process's GroupCommit on its commit pool (store.connect.commit_pool)."""
@@ -102,8 +120,7 @@ async def group_commit_rate(
     async def run() -> int:
         done = 0
         while done < per and time.monotonic() < deadline:
-            envelope = Envelope(org_id, "bench@example.com", ("rcpt@example.net",), BODY, "bench")
-            await group.enqueue(new_id(), envelope)
+            await group.enqueue(new_id(), bench_envelope(org_id, checked=checked))
             done += 1
         return done
 
@@ -310,6 +327,27 @@ async def main() -> None:
                     "enqueue 5 KB, 1 recipient, 20 sessions through one process's GroupCommit "
                     f"({MAX_COMMITS} connections), the submission path as it runs",
                     f"{rate:,.0f} msgs/s (target >= 6,000 over 16 connections)",
+                )
+            )
+            # The same paths for messages with a Message-ID of their own, checked against
+            # limits.duplicate_window (store/duplicates.py); none is a duplicate.
+            for connections in (1, 16):
+                rate = await enqueue_rate(
+                    url, org_id, connections, int(20000 * scale), 15, notify=False, checked=True
+                )
+                results.append(
+                    (
+                        f"enqueue 5 KB, 1 recipient, {connections} connection(s), submission path, "
+                        "duplicate check",
+                        f"{rate:,.0f} msgs/s",
+                    )
+                )
+            rate = await group_commit_rate(url, org_id, 20, int(40000 * scale), 15, checked=True)
+            results.append(
+                (
+                    "enqueue 5 KB, 1 recipient, 20 sessions through one process's GroupCommit, "
+                    "duplicate check",
+                    f"{rate:,.0f} msgs/s",
                 )
             )
             await conn.execute("TRUNCATE message, recipient, attempt CASCADE")

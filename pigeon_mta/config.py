@@ -242,6 +242,13 @@ class LimitsSettings:
     # (unknown commands included), for want of AUTH or TLS, a failed AUTH or a relay refusal.
     # 0 = no limit.
     max_junk_commands: int = 100
+    # An application that retries after a lost 250 sends the same message again. Within this
+    # window a recipient that its org queued already under the same Message-ID (one the client
+    # supplied; a message without its own has none) is not queued again: a transaction all of
+    # whose recipients are such is answered with the queue id of the message queued first, one
+    # with new recipients is queued for those only. Addresses compare case-insensitively, as the
+    # suppression list does. "0" turns the check off.
+    duplicate_window: Duration = Duration(3600)
 
 
 # TLS policy towards a destination (see DeliverySettings.tls).
@@ -353,8 +360,9 @@ class MetricsSettings:
 @dataclass(frozen=True)
 class RetentionSettings:
     # Finished messages (every recipient delivered, bounced, expired, cancelled or suppressed) are
-    # deleted with their recipients and attempt log this long after they were received. "0" keeps
-    # them forever (the tables then grow without bound).
+    # deleted with their recipients and attempt log this long after they were received, and the
+    # records of duplicate submissions (limits.duplicate_window) with them. "0" keeps them forever
+    # (the tables then grow without bound).
     messages: Duration = Duration(30 * 86400)
 
 

@@ -1,8 +1,9 @@
 """Delivery log records built from values: one dict per event, with the contract fields first.
 
 Events are per recipient: Reception (the message was queued), then Delivery, TransientFailure,
-Bounce, Expiration or Suppressed for each attempt or final decision. Every record has the contract
-fields (`EVENT_FIELDS`) in that order, then a few extras. The same events are in the database (the
+Bounce, Expiration or Suppressed for each attempt or final decision; Duplicate when a retried
+submission named the recipient again and it was not queued again (store/duplicates.py). Every
+record has the contract fields (`EVENT_FIELDS`) in that order, then a few extras. The same events are in the database (the
 message row and the attempt rows); `pigeon-mta log --json` rebuilds them from there with the same
 functions, so the file and the command never disagree on a field (but for free text shortened on
 stdout, see deliverylog.py).
@@ -10,6 +11,7 @@ stdout, see deliverylog.py).
 
 from __future__ import annotations
 
+import heapq
 import json
 import uuid
 from collections.abc import Iterable, Mapping
@@ -17,6 +19,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pigeon_mta.model import EVENT_TYPE, AttemptResult, Delivery, Envelope, Outcome
+from pigeon_mta.store.duplicates import DuplicateRecord, Duplicates
 from pigeon_mta.store.events import AttemptRecord, MessageStory
 
 Record = dict[str, Any]
@@ -40,6 +43,7 @@ EVENT_FIELDS = (
 )
 
 RECEPTION = "Reception"
+DUPLICATE = "Duplicate"
 
 
 def timestamp_text(when: datetime) -> str:
@@ -132,6 +136,55 @@ def _reception_extra(
     return {"listener": listener, "helo": helo, "auth_user": auth_user, "size": size}
 
 
+def duplicate_record(d: DuplicateRecord) -> Record:
+    """A recipient a submission named again and that was not queued again: `queue_id` is the
+    message that holds it, `response` the reply the submission got."""
+    return event_record(
+        DUPLICATE,
+        timestamp=d.received_at,
+        queue_id=d.original_id,
+        message_id=d.header_message_id,
+        org=d.org_id,
+        sender=d.sender,
+        recipient=d.address,
+        ip=d.client_ip,
+        code=250,
+        enhanced_code="2.0.0",
+        response=queued_reply(d.reply_id),
+        tls_version=d.tls_version,
+        tls_cipher=d.tls_cipher,
+        extra=_reception_extra(d.listener, d.client_helo, d.auth_user, d.size),
+    )
+
+
+def duplicate_records(
+    envelope: Envelope, duplicates: Duplicates, *, received_at: datetime
+) -> list[Record]:
+    """The Duplicate records of a submission as it was committed, in address order, as
+    `pigeon-mta log` reads them back."""
+    return [
+        duplicate_record(
+            DuplicateRecord(
+                org_id=envelope.org_id,
+                original_id=original_id,
+                reply_id=duplicates.reply_id,
+                header_message_id=envelope.header_message_id or "",
+                sender=envelope.sender,
+                address=address,
+                received_at=received_at,
+                listener=envelope.listener,
+                client_ip=envelope.client_ip,
+                client_helo=envelope.client_helo,
+                auth_user=envelope.auth_user,
+                size=len(envelope.body),
+                tls_version=envelope.tls_version,
+                tls_cipher=envelope.tls_cipher,
+            )
+        )
+        for address, original_id in sorted(duplicates.originals.items())
+    ]
+
+
 def attempt_records(delivery: Delivery, results: Iterable[AttemptResult]) -> list[Record]:
     addresses = {r.id: r.address for r in delivery.recipients}
     return [
@@ -182,7 +235,8 @@ def _attempt_extra(
 
 
 def story_records(story: MessageStory) -> list[Record]:
-    """The records of a story read from the database: Receptions, then attempts in order."""
+    """The records of a story read from the database: Receptions, then attempts in order, with
+    the Duplicates among them by time."""
     m = story.message
     records = [
         event_record(
@@ -204,9 +258,12 @@ def story_records(story: MessageStory) -> list[Record]:
         for r in story.recipients
     ]
     addresses = {r.id: r.address for r in story.recipients}
-    records.extend(
+    attempts = [
         _stored_attempt_record(story, a, addresses.get(a.recipient_id, "")) for a in story.attempts
-    )
+    ]
+    duplicates = [duplicate_record(d) for d in story.duplicates]
+    # Timestamps are ISO 8601 in UTC of one width: their text sorts as time does.
+    records.extend(heapq.merge(attempts, duplicates, key=lambda r: str(r["timestamp"])))
     return records
 
 

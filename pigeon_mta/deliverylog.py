@@ -26,11 +26,13 @@ from pigeon_mta.delivery_records import (
     RECEPTION,
     Record,
     attempt_records,
+    duplicate_records,
     reception_records,
     story_records,
     to_json_line,
 )
 from pigeon_mta.model import AttemptResult, Delivery, Envelope
+from pigeon_mta.store.duplicates import Duplicates
 from pigeon_mta.store.events import MessageStory
 
 log = logging.getLogger(__name__)
@@ -208,6 +210,12 @@ class DeliveryLog:
         stamped with the envelope's `received_at`, the instant the message row holds too."""
         received_at = envelope.received_at or datetime.now(UTC)
         self.write(reception_records(queue_id, envelope, received_at=received_at))
+
+    def duplicates(self, envelope: Envelope, duplicates: Duplicates) -> None:
+        """Recipients of a submission not queued again (call after the commit): one Duplicate
+        record each."""
+        received_at = envelope.received_at or datetime.now(UTC)
+        self.write(duplicate_records(envelope, duplicates, received_at=received_at))
 
     def attempts(self, delivery: Delivery, results: Sequence[AttemptResult]) -> None:
         """Outcomes of one delivery (call after `record_attempts`): one record per result."""

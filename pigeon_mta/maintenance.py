@@ -17,6 +17,7 @@ import asyncpg
 from pigeon_mta import metrics, notices
 from pigeon_mta.config import Settings
 from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.store import duplicates as store_duplicates
 from pigeon_mta.store import events as store_events
 from pigeon_mta.store import leases as store_leases
 from pigeon_mta.store import upkeep as store_upkeep
@@ -127,6 +128,8 @@ class Maintenance:
                     purged,
                     format_duration(keep),
                 )
+        # Duplicate-window entries whose window ended; duplicate receptions with their messages.
+        await store_duplicates.prune(self.pool, keep_records=keep)
 
 
 def format_duration(seconds: float) -> str:

@@ -17,6 +17,12 @@ SMTP_REJECTIONS = Counter(
     "pigeon_smtp_rejections", "SMTP commands or messages refused", ["listener", "reason"]
 )
 AUTH_FAILURES = Counter("pigeon_auth_failures", "Failed SMTP AUTH attempts", ["listener"])
+DUPLICATE_RECIPIENTS = Counter(
+    "pigeon_duplicate_recipients",
+    "Recipients not queued again: their org queued them under the same Message-ID within "
+    "limits.duplicate_window",
+    ["listener"],
+)
 
 # ---------------------------------------------------------------- queue (set by the stats query)
 QUEUE_RECIPIENTS = Gauge(
@@ -123,6 +129,7 @@ def start_at_zero(listeners: Iterable[str]) -> None:
     for name in listeners:
         MESSAGES_ACCEPTED.labels(listener=name)
         AUTH_FAILURES.labels(listener=name)
+        DUPLICATE_RECIPIENTS.labels(listener=name)
         LISTENERS_BOUND.labels(listener=name)
     for outcome in DELIVERY_OUTCOMES:
         DELIVERIES.labels(outcome=outcome)

@@ -74,6 +74,10 @@ class Envelope:
     received_at: datetime | None = None
     tls_version: str | None = None  # the TLS session it arrived over, None without TLS
     tls_cipher: str | None = None
+    # Seconds within which a recipient queued already under this org and Message-ID is not queued
+    # again (limits.duplicate_window); 0 for a Message-ID the client did not supply. Only
+    # store.duplicates.enqueue_submitted, the submission path's commit, honours it.
+    duplicate_window: float = 0.0
 
 
 def storable_text(text: str | None) -> str | None:

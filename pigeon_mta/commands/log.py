@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import heapq
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -11,6 +12,7 @@ from pigeon_mta.delivery_records import story_records, to_json_line
 from pigeon_mta.logs import printable
 from pigeon_mta.model import EVENT_TYPE, Outcome
 from pigeon_mta.store import events as store_events
+from pigeon_mta.store.duplicates import DuplicateRecord
 from pigeon_mta.store.events import AttemptRecord, MessageStory, RecipientRecord
 
 DEFAULT_LIMIT = 10
@@ -114,8 +116,23 @@ def _timeline(story: MessageStory) -> list[dict[str, Any]]:
         }
     ]
     addresses = {r.id: r.address for r in story.recipients}
-    rows.extend(_attempt_row(story, a, addresses.get(a.recipient_id, "?")) for a in story.attempts)
+    attempts = [_attempt_row(story, a, addresses.get(a.recipient_id, "?")) for a in story.attempts]
+    duplicates = [_duplicate_row(d) for d in story.duplicates]
+    # Each list is in time order already; the times are text of one width.
+    rows.extend(heapq.merge(attempts, duplicates, key=lambda row: str(row["time"])))
     return rows
+
+
+def _duplicate_row(d: DuplicateRecord) -> dict[str, Any]:
+    """A later submission of the same Message-ID that named this recipient again."""
+    return {
+        "time": _time(d.received_at),
+        "event": "Duplicate",
+        "recipient": d.address,
+        "ip": d.client_ip,
+        "tls": d.tls_version,
+        "reply": f"250 2.0.0 Ok: queued as {d.reply_id}; already queued here, not queued again",
+    }
 
 
 def _attempt_row(story: MessageStory, a: AttemptRecord, address: str) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from datetime import datetime
 import asyncpg
 
 from pigeon_mta.model import DSN_LISTENER
+from pigeon_mta.store.duplicates import DuplicateRecord, duplicates_of
 from pigeon_mta.store.executor import Executor
 
 
@@ -84,6 +85,8 @@ class MessageStory:
     # told the sender, and the address its bounce put on the suppression list.
     dsns: Mapping[uuid.UUID, uuid.UUID] = field(default_factory=dict)
     suppressed: Mapping[uuid.UUID, str] = field(default_factory=dict)
+    # Later submissions that named its recipients again and were not queued again, oldest first.
+    duplicates: tuple[DuplicateRecord, ...] = ()
 
 
 # ---------------------------------------------------------------- finding messages
@@ -222,14 +225,17 @@ async def stories_of(
     """The stories of `messages` (in the order given); only `addresses` when any are given."""
     ids = [m.id for m in messages]
     recipients = [_recipient(r) for r in await db.fetch(_RECIPIENTS, ids)]
+    wanted = set(addresses)
     if addresses:
-        wanted = set(addresses)
         recipients = [r for r in recipients if r.address in wanted]
     kept = {r.id for r in recipients}
     attempts = [_attempt(a) for a in await db.fetch(_ATTEMPTS, ids)]
     dsns, suppressed = await consequences(
         db, [a for a in attempts if a.recipient_id in kept], recipients, messages
     )
+    duplicates = await duplicates_of(db, ids)
+    if addresses:
+        duplicates = [d for d in duplicates if d.address in wanted]
     return [
         MessageStory(
             message=m,
@@ -237,6 +243,7 @@ async def stories_of(
             attempts=tuple(a for a in attempts if a.message_id == m.id and a.recipient_id in kept),
             dsns=dsns,
             suppressed=suppressed,
+            duplicates=tuple(d for d in duplicates if d.original_id == m.id),
         )
         for m in messages
     ]

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import asyncpg
 
 from pigeon_mta.model import Envelope
-from pigeon_mta.store import queue as store_queue
+from pigeon_mta.store import duplicates as store_duplicates
+from pigeon_mta.store.duplicates import Duplicates
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 class _Waiting:
     queue_id: uuid.UUID
     envelope: Envelope
-    committed: asyncio.Future[None]
+    committed: asyncio.Future[Duplicates | None]
 
 
 # Statements under way at once (more than one keeps PostgreSQL's own group commit busy while a
@@ -40,7 +41,8 @@ MAX_COMMITS = 2
 
 class GroupCommit:
     """`await group.enqueue(queue_id, envelope)` returns once the message is committed (or raises
-    what the commit raised)."""
+    what the commit raised), with the recipients that were not queued again as duplicates
+    (store/duplicates.py), None when there were none."""
 
     def __init__(
         self, pool: asyncpg.Pool, *, max_batch: int = 64, max_commits: int = MAX_COMMITS
@@ -52,13 +54,13 @@ class GroupCommit:
         self._waiting: list[_Waiting] = []
         self._commits: set[asyncio.Task[None]] = set()
 
-    async def enqueue(self, queue_id: uuid.UUID, envelope: Envelope) -> None:
+    async def enqueue(self, queue_id: uuid.UUID, envelope: Envelope) -> Duplicates | None:
         if not envelope.recipients:
             raise ValueError("a message needs at least one recipient")
-        committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        committed: asyncio.Future[Duplicates | None] = asyncio.get_running_loop().create_future()
         self._waiting.append(_Waiting(queue_id, envelope, committed))
         self._start_commits()
-        await committed
+        return await committed
 
     @property
     def under_way(self) -> int:
@@ -79,7 +81,9 @@ class GroupCommit:
 
     async def _commit(self, batch: list[_Waiting]) -> None:
         try:
-            await store_queue.enqueue_many(self._pool, [(w.queue_id, w.envelope) for w in batch])
+            found = await store_duplicates.enqueue_submitted(
+                self._pool, [(w.queue_id, w.envelope) for w in batch]
+            )
         except BaseException as exc:
             if len(batch) > 1 and _worth_one_by_one(exc):
                 log.warning(
@@ -95,7 +99,7 @@ class GroupCommit:
                 raise
         else:
             for waiting in batch:
-                _settle(waiting.committed, None)
+                _settle(waiting.committed, found.get(waiting.queue_id))
 
 
 def _worth_one_by_one(exc: BaseException) -> bool:
@@ -104,12 +108,14 @@ def _worth_one_by_one(exc: BaseException) -> bool:
     return isinstance(exc, asyncpg.DataError | asyncpg.IntegrityConstraintViolationError)
 
 
-def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
+def _settle(
+    future: asyncio.Future[Duplicates | None], outcome: BaseException | Duplicates | None
+) -> None:
     if future.done():  # its caller was cancelled; the outcome is theirs to log, not ours
         return
-    if exc is None:
-        future.set_result(None)
-    elif isinstance(exc, asyncio.CancelledError):
+    if isinstance(outcome, asyncio.CancelledError):
         future.cancel()
+    elif isinstance(outcome, BaseException):
+        future.set_exception(outcome)
     else:
-        future.set_exception(exc)
+        future.set_result(outcome)

@@ -104,6 +104,8 @@ async def enqueue_many(
     for _queue_id, envelope in batch:
         if not envelope.recipients:
             raise ValueError("a message needs at least one recipient")
+        if envelope.duplicate_window and envelope.header_message_id:
+            raise ValueError("a message checked for duplicates is queued by store.duplicates")
     if len(batch) == 1:
         queue_id, e = batch[0]
         await db.execute(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import logging
 import uuid
 from datetime import UTC, datetime
@@ -24,13 +25,14 @@ from pigeon_mta.metrics import AUTH_FAILURES
 from pigeon_mta.store import domains as store_domains
 from pigeon_mta.store import limits as store_limits
 from pigeon_mta.store.connect import DB_ERRORS
+from pigeon_mta.store.duplicates import Duplicates
 from pigeon_mta.submission import replies
 from pigeon_mta.submission.addresses import AddressProblem, Mailbox, parse_mailbox
 from pigeon_mta.submission.auth import Verdict
 from pigeon_mta.submission.context import Conversation, ListenerContext
 from pigeon_mta.submission.fixups import TooManyHops, Trace, apply_fixups
 from pigeon_mta.submission.mail_params import TransactionEnvelope
-from pigeon_mta.submission.reception import Reception, record_reception
+from pigeon_mta.submission.reception import Reception, record_duplicates, record_reception
 
 log = logging.getLogger("pigeon_mta.submission")
 
@@ -276,6 +278,7 @@ class SubmissionHandler:
         received_at = datetime.now(UTC)
         raw = envelope.original_content
         assert isinstance(raw, bytes)
+        new_message_id = f"{new_id().hex}@{self.ctx.hostname}"
         try:
             fixed = apply_fixups(
                 raw,
@@ -292,7 +295,7 @@ class SubmissionHandler:
                     recipients=recipients,
                     received_at=received_at,
                 ),
-                new_message_id=f"{new_id().hex}@{self.ctx.hostname}",
+                new_message_id=new_message_id,
                 max_header_size=self.ctx.limits.max_header_size,
                 max_hops=self.ctx.limits.max_hops,
             )
@@ -329,6 +332,10 @@ class SubmissionHandler:
             received_at=received_at,
             tls_version=conv.tls_version,
             tls_cipher=conv.tls_cipher,
+            # Only a Message-ID the client supplied says "the same message again".
+            duplicate_window=self.ctx.limits.duplicate_window
+            if fixed.header_message_id != new_message_id
+            else 0.0,
         )
         reception = Reception(
             queue_id=queue_id,
@@ -347,7 +354,7 @@ class SubmissionHandler:
             auth_param=envelope.auth_param if isinstance(envelope, TransactionEnvelope) else None,
         )
         try:
-            await self._enqueue(server, message, reception)
+            duplicates = await self._enqueue(server, message, reception)
         except DB_ERRORS as exc:
             log.warning(
                 "not queued (451 sent): client=[%s] from=<%s> nrcpt=%d: database trouble: %s",
@@ -357,8 +364,7 @@ class SubmissionHandler:
                 exc,
             )
             return replies.DATABASE_TROUBLE
-        self._announce(message, reception)
-        return replies.QUEUED.format(queue_id=queue_id)
+        return replies.QUEUED.format(queue_id=self._announce(message, reception, duplicates))
 
     async def _check_originators(
         self, conv: Conversation, fields: list[tuple[str, str]]
@@ -423,31 +429,50 @@ class SubmissionHandler:
             log.warning("cannot look up the trusted org: %s", exc)
             return None
 
-    async def _enqueue(self, server: Any, message: model.Envelope, reception: Reception) -> None:
-        """Commit the message. Shielded: a client that hangs up mid-commit does not cancel the
-        statement half-way; a message committed anyway is announced all the same."""
+    async def _enqueue(
+        self, server: Any, message: model.Envelope, reception: Reception
+    ) -> Duplicates | None:
+        """Commit the message; returns its recipients that were not queued again, if any.
+        Shielded: a client that hangs up mid-commit does not cancel the statement half-way; a
+        message committed anyway is announced all the same."""
         # No NOTIFY inside the transaction (it would serialise commits); ctx.on_queued wakes the
         # engines after the commit instead (store/notify.py). Messages of other sessions that
         # finish at the same time share the commit (store/group_commit.py).
         task = asyncio.ensure_future(self.ctx.group_commit.enqueue(reception.queue_id, message))
         server.enqueuing += 1
         try:
-            await asyncio.shield(task)
+            return await asyncio.shield(task)
         except asyncio.CancelledError:
             task.add_done_callback(lambda done: self._orphan_outcome(done, message, reception))
             raise
         finally:
             server.enqueuing -= 1
 
-    def _announce(self, message: model.Envelope, reception: Reception) -> None:
-        """After the commit: wake the engines, write the Reception records and the log line."""
+    def _announce(
+        self, message: model.Envelope, reception: Reception, duplicates: Duplicates | None
+    ) -> uuid.UUID:
+        """After the commit: wake the engines, write the Reception (and Duplicate) records and the
+        log lines. Returns the queue id to answer."""
+        if duplicates is not None:
+            if self.ctx.delivery_log is not None:
+                self.ctx.delivery_log.duplicates(message, duplicates)
+            record_duplicates(reception, duplicates)
+            queued = tuple(r for r in message.recipients if r not in duplicates.originals)
+            if not queued:
+                return duplicates.reply_id
+            message = dataclasses.replace(message, recipients=queued)
+            reception = dataclasses.replace(reception, recipients=queued)
         self.ctx.on_queued(len(message.recipients))
         if self.ctx.delivery_log is not None:
             self.ctx.delivery_log.reception(reception.queue_id, message)
         record_reception(reception)
+        return reception.queue_id
 
     def _orphan_outcome(
-        self, task: asyncio.Future[None], message: model.Envelope, reception: Reception
+        self,
+        task: asyncio.Future[Duplicates | None],
+        message: model.Envelope,
+        reception: Reception,
     ) -> None:
         """The commit of a message whose client hung up while it ran has ended."""
         if task.cancelled():
@@ -456,10 +481,8 @@ class SubmissionHandler:
         if exc is not None:
             log.warning("a message whose client hung up during the commit was not queued: %s", exc)
             return
-        log.warning(
-            "message %s was queued but its client hung up before the reply", reception.queue_id
-        )
-        self._announce(message, reception)
+        queue_id = self._announce(message, reception, task.result())
+        log.warning("message %s was queued but its client hung up before the reply", queue_id)
 
     # ------------------------------------------------------------ errors
 

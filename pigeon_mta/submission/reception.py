@@ -1,4 +1,5 @@
-"""A queued message's `Reception` and its report: the "queued" log line and the accepted counter.
+"""A queued message's `Reception` and its report: the "queued" log line and the accepted counter;
+and the report of the recipients a retried submission named again (store/duplicates.py).
 
 The handler builds the Reception once the commit has succeeded and, before the 250, writes the
 delivery log's reception records beside this report (`SubmissionHandler._announce`).
@@ -11,7 +12,8 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
-from pigeon_mta.metrics import MESSAGES_ACCEPTED
+from pigeon_mta.metrics import DUPLICATE_RECIPIENTS, MESSAGES_ACCEPTED
+from pigeon_mta.store.duplicates import Duplicates
 
 log = logging.getLogger("pigeon_mta.submission")
 
@@ -50,4 +52,21 @@ def record_reception(reception: Reception) -> None:
         reception.size,
         reception.header_message_id or "",
         auth_param,
+    )
+
+
+def record_duplicates(reception: Reception, duplicates: Duplicates) -> None:
+    """Recipients not queued again: queued under the same Message-ID within the window."""
+    DUPLICATE_RECIPIENTS.labels(listener=reception.listener).inc(len(duplicates.originals))
+    log.info(
+        "duplicate: %d of %d recipient(s) of message-id=<%s> listener=%s client=[%s] user=%s "
+        "from=<%s> were queued already as %s within limits.duplicate_window, not queued again",
+        len(duplicates.originals),
+        len(reception.recipients),
+        reception.header_message_id or "",
+        reception.listener,
+        reception.client_ip,
+        reception.auth_user or "-",
+        reception.sender,
+        ", ".join(str(q) for q in sorted(set(duplicates.originals.values()))),
     )

@@ -8,6 +8,7 @@ hypothesis (a thread, raw sockets) ──random bytes──► relay + submissio
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -199,10 +200,15 @@ async def test_dot_stuffed_bodies_come_through_unchanged(
     port = server.port("relay")
     loop = asyncio.get_running_loop()
 
+    examples = itertools.count()
+
     @FUZZ_SETTINGS
     @given(lines=body_lines)
     def check(lines: list[bytes]) -> None:
-        original = b"Message-ID: <fuzz@test>\r\nDate: Mon, 1 Jan 2024 00:00:00 +0000\r\n\r\n"
+        # A Message-ID of its own for each example: the same one again would be a duplicate
+        # submission, answered with the first one's queue id (limits.duplicate_window).
+        original = b"Message-ID: <fuzz-%d@test>\r\n" % next(examples)
+        original += b"Date: Mon, 1 Jan 2024 00:00:00 +0000\r\n\r\n"
         original += b"".join(line + b"\r\n" for line in lines)
         stuffed = b"".join(
             (b"." + line if line.startswith(b".") else line) + b"\r\n"

@@ -1,0 +1,332 @@
+"""Duplicate submissions: the submission path's enqueue, which queues each recipient once per
+(org, Message-ID, address) within `limits.duplicate_window`, the record of the duplicates, and
+their pruning.
+
+An application that retries after a lost `250` sends the same message again. It is decided per
+recipient, not per message: a client that splits one message's recipients over several
+transactions (Postfix does above its recipient limit) must still reach everyone. Only a Message-ID
+the client supplied counts (the handler says so through `Envelope.duplicate_window`); addresses
+compare as the suppression list compares them, by PostgreSQL's lower().
+
+The decision is made in the enqueue statement itself, by INSERT ... ON CONFLICT on the primary key
+of `submission_dedup` (migration 0016): of two identical submissions in parallel, the second waits
+for the first one's commit and then finds its entries, so one message is queued. The message row,
+its new recipients, the entries and the duplicates' records are one statement, one commit, as in
+store/queue.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from pigeon_mta.ids import new_ids
+from pigeon_mta.model import Envelope
+from pigeon_mta.store import queue as store_queue
+from pigeon_mta.store.executor import Executor
+from pigeon_mta.store.queue import recipient_domain
+from pigeon_mta.store.upkeep import id_floor
+
+
+@dataclass(frozen=True)
+class Duplicates:
+    """The recipients of one submitted message that were queued already within its window."""
+
+    # Each such address, as the client wrote it, with the queue id of the message that holds it.
+    originals: dict[str, uuid.UUID]
+    # The queue id the client is answered: the submitted message's own when some recipients were
+    # new (it was queued for them), else the oldest of the originals.
+    reply_id: uuid.UUID
+
+
+def message_key(message_id: str) -> uuid.UUID:
+    """The key a Message-ID is stored under: BLAKE2b-128 of its text, so that a Message-ID of any
+    length fits the index, and two different ones do not meet by chance."""
+    digest = hashlib.blake2b(message_id.encode("utf-8", "surrogatepass"), digest_size=16)
+    return uuid.UUID(bytes=digest.digest())
+
+
+def _checked(envelope: Envelope) -> bool:
+    return bool(envelope.duplicate_window > 0 and envelope.header_message_id)
+
+
+# An entry still in force keeps its message and its expiry; one whose window has ended is taken
+# over by the message queued now. The UPDATE happens on every conflict (rare: only duplicates),
+# because only an updated row is RETURNED, and the statement needs the original's queue id.
+_TAKE_OVER = """
+    ON CONFLICT (org_id, message_key, address) DO UPDATE
+    SET queue_id = CASE WHEN s.expires_at > now() THEN s.queue_id ELSE EXCLUDED.queue_id END,
+        expires_at = CASE WHEN s.expires_at > now() THEN s.expires_at ELSE EXCLUDED.expires_at END
+"""
+
+# One message: its recipients' entries (each key once: "A@x" and "a@x" are one entry), in key
+# order so that concurrent statements take their row locks in one order; `k` pairs each recipient
+# with the message that queues it (`owner`); the message row and its recipients only for those
+# it owns; a duplicate_reception row for the others.
+_ENQUEUE_ONE = f"""
+WITH d AS (
+    INSERT INTO submission_dedup AS s (org_id, message_key, address, queue_id, expires_at)
+    SELECT DISTINCT $2::uuid, $18::uuid, lower(a), $1::uuid, now() + make_interval(secs => $19)
+    FROM unnest($13::text[]) AS a
+    ORDER BY 3
+    {_TAKE_OVER}
+    RETURNING s.address, s.queue_id
+), k AS (
+    SELECT u.id, u.address, u.domain, d.queue_id AS owner
+    FROM unnest($12::uuid[], $13::text[], $14::text[]) AS u (id, address, domain)
+    JOIN d ON d.address = lower(u.address)
+), m AS (
+    INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
+                         client_ip, client_helo, credential_id, auth_user, received_at,
+                         tls_version, tls_cipher)
+    SELECT $1, $2, $3::text, $4::text, $5::int, $6::bytea, $7::text, $8::inet, $9::text,
+           $10::uuid, $11::text, COALESCE($15::timestamptz, now()), $16::text, $17::text
+    WHERE EXISTS (SELECT 1 FROM k WHERE k.owner = $1)
+    RETURNING id, org_id, received_at
+), r AS (
+    INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at)
+    SELECT k.id, m.id, m.org_id, k.address, k.domain, m.received_at, m.received_at
+    FROM m JOIN k ON k.owner = m.id
+), reply AS (
+    SELECT owner AS id FROM k ORDER BY owner = $1 DESC, owner LIMIT 1
+), x AS (
+    INSERT INTO duplicate_reception (id, org_id, original_id, reply_id, header_message_id, sender,
+                                     address, received_at, listener, client_ip, client_helo,
+                                     auth_user, size, tls_version, tls_cipher)
+    SELECT k.id, $2, k.owner, reply.id, $4, $3, k.address, COALESCE($15::timestamptz, now()),
+           $7, $8::inet, $9, $11, $5, $16, $17
+    FROM k, reply
+    WHERE k.owner <> $1
+    RETURNING address, original_id, reply_id
+)
+SELECT $1 AS message_id, address, original_id, reply_id FROM x
+"""
+
+# Several messages (a group commit), as above. The per-message columns the decision needs are
+# unnested once into `u` (a CTE read several times is computed once); the bodies are not, so that
+# they are not copied into it. Within the batch, the same key in two messages goes to the one with
+# the smaller queue id (a UUIDv7: received first, to the millisecond); the other is its duplicate. Messages without a key pass
+# through: each of their recipients is its own owner.
+_ENQUEUE_MANY = f"""
+WITH u AS (
+    SELECT * FROM unnest($1::uuid[], $2::uuid[], $19::uuid[], $20::float8[])
+        AS u (id, org_id, message_key, window_secs)
+), v AS (
+    SELECT * FROM unnest($12::uuid[], $13::uuid[], $14::text[], $15::text[])
+        AS v (id, message_id, address, domain)
+), d AS (
+    INSERT INTO submission_dedup AS s (org_id, message_key, address, queue_id, expires_at)
+    SELECT DISTINCT ON (u.org_id, u.message_key, lower(v.address))
+           u.org_id, u.message_key, lower(v.address), u.id,
+           now() + make_interval(secs => u.window_secs)
+    FROM u JOIN v ON v.message_id = u.id
+    WHERE u.message_key IS NOT NULL
+    ORDER BY u.org_id, u.message_key, lower(v.address), u.id
+    {_TAKE_OVER}
+    RETURNING s.org_id, s.message_key, s.address, s.queue_id
+), k AS (
+    SELECT v.id, v.message_id, v.address, v.domain, COALESCE(d.queue_id, v.message_id) AS owner
+    FROM v JOIN u ON u.id = v.message_id
+    LEFT JOIN d ON d.org_id = u.org_id AND d.message_key = u.message_key
+               AND d.address = lower(v.address)
+), m AS (
+    INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
+                         client_ip, client_helo, credential_id, auth_user, received_at,
+                         tls_version, tls_cipher)
+    SELECT w.id, w.org_id, w.sender, w.header_message_id, w.size, w.body, w.listener,
+           w.client_ip, w.client_helo, w.credential_id, w.auth_user,
+           COALESCE(w.received_at, now()), w.tls_version, w.tls_cipher
+    FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::int[], $6::bytea[],
+                $7::text[], $8::inet[], $9::text[], $10::uuid[], $11::text[],
+                $16::timestamptz[], $17::text[], $18::text[])
+         AS w (id, org_id, sender, header_message_id, size, body, listener, client_ip,
+               client_helo, credential_id, auth_user, received_at, tls_version, tls_cipher)
+    WHERE EXISTS (SELECT 1 FROM k WHERE k.message_id = w.id AND k.owner = w.id)
+    RETURNING id, org_id, received_at
+), r AS (
+    INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at)
+    SELECT k.id, m.id, m.org_id, k.address, k.domain, m.received_at, m.received_at
+    FROM m JOIN k ON k.message_id = m.id AND k.owner = m.id
+), dm AS (  -- the messages with duplicates, without their bodies
+    SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::int[],
+                         $7::text[], $8::inet[], $9::text[], $11::text[], $16::timestamptz[],
+                         $17::text[], $18::text[])
+        AS n (id, org_id, sender, header_message_id, size, listener, client_ip, client_helo,
+              auth_user, received_at, tls_version, tls_cipher)
+    WHERE EXISTS (SELECT 1 FROM k WHERE k.message_id = n.id AND k.owner <> n.id)
+), x AS (
+    INSERT INTO duplicate_reception (id, org_id, original_id, reply_id, header_message_id, sender,
+                                     address, received_at, listener, client_ip, client_helo,
+                                     auth_user, size, tls_version, tls_cipher)
+    SELECT k.id, n.org_id, k.owner, reply.id, n.header_message_id, n.sender, k.address,
+           COALESCE(n.received_at, now()), n.listener, n.client_ip, n.client_helo, n.auth_user,
+           n.size, n.tls_version, n.tls_cipher
+    FROM dm n JOIN k ON k.message_id = n.id
+    CROSS JOIN LATERAL (
+        SELECT o.owner AS id FROM k o WHERE o.message_id = n.id
+        ORDER BY o.owner = n.id DESC, o.owner LIMIT 1
+    ) reply
+    WHERE k.owner <> n.id
+    RETURNING id, original_id, reply_id
+)
+SELECT k.message_id, k.address, x.original_id, x.reply_id FROM x JOIN k ON k.id = x.id
+"""
+
+
+async def enqueue_submitted(
+    db: Executor, batch: Sequence[tuple[uuid.UUID, Envelope]]
+) -> dict[uuid.UUID, Duplicates]:
+    """Queue submitted messages (queue id, envelope) in one statement, all of them or none, as
+    `store.queue.enqueue_many` does without NOTIFY; but a recipient of a message with a
+    `duplicate_window` that its org queued under the same Message-ID within that window is not
+    queued again, and a message all of whose recipients are such is not queued at all.
+
+    Returns the duplicates by queue id, for the messages that had any (normally none).
+    """
+    if not any(_checked(e) for _q, e in batch):
+        await store_queue.enqueue_many(db, batch)
+        return {}
+    for _queue_id, envelope in batch:
+        if not envelope.recipients:
+            raise ValueError("a message needs at least one recipient")
+    if len(batch) == 1:
+        queue_id, e = batch[0]
+        rows = await db.fetch(
+            _ENQUEUE_ONE,
+            queue_id,
+            e.org_id,
+            e.sender,
+            e.header_message_id,
+            len(e.body),
+            e.body,
+            e.listener,
+            e.client_ip,
+            e.client_helo,
+            e.credential_id,
+            e.auth_user,
+            new_ids(len(e.recipients)),
+            list(e.recipients),
+            [recipient_domain(r) for r in e.recipients],
+            e.received_at,
+            e.tls_version,
+            e.tls_cipher,
+            message_key(e.header_message_id or ""),
+            float(e.duplicate_window),
+        )
+    else:
+        rows = await db.fetch(_ENQUEUE_MANY, *_many_arguments(batch))
+    found: dict[uuid.UUID, Duplicates] = {}
+    for row in rows:
+        queue_id = row["message_id"]
+        duplicates = found.setdefault(queue_id, Duplicates({}, row["reply_id"]))
+        duplicates.originals[row["address"]] = row["original_id"]
+    return found
+
+
+def _many_arguments(batch: Sequence[tuple[uuid.UUID, Envelope]]) -> list[Sequence[object]]:
+    """The parameters of _ENQUEUE_MANY: one array per column, one element per message (then per
+    recipient for $12-$15)."""
+    recipients = [(q, r) for q, envelope in batch for r in envelope.recipients]
+    return [
+        [q for q, _e in batch],
+        [e.org_id for _q, e in batch],
+        [e.sender for _q, e in batch],
+        [e.header_message_id for _q, e in batch],
+        [len(e.body) for _q, e in batch],
+        [e.body for _q, e in batch],
+        [e.listener for _q, e in batch],
+        [e.client_ip for _q, e in batch],
+        [e.client_helo for _q, e in batch],
+        [e.credential_id for _q, e in batch],
+        [e.auth_user for _q, e in batch],
+        new_ids(len(recipients)),
+        [q for q, _r in recipients],
+        [r for _q, r in recipients],
+        [recipient_domain(r) for _q, r in recipients],
+        [e.received_at for _q, e in batch],
+        [e.tls_version for _q, e in batch],
+        [e.tls_cipher for _q, e in batch],
+        [message_key(e.header_message_id or "") if _checked(e) else None for _q, e in batch],
+        [float(e.duplicate_window) for _q, e in batch],
+    ]
+
+
+# ---------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class DuplicateRecord:
+    """A recipient a submission named again within the window, and that was not queued again."""
+
+    org_id: uuid.UUID
+    original_id: uuid.UUID  # the message that holds the recipient
+    reply_id: uuid.UUID  # the queue id the client was answered
+    header_message_id: str
+    sender: str
+    address: str
+    received_at: datetime
+    listener: str
+    client_ip: str | None
+    client_helo: str | None
+    auth_user: str | None
+    size: int
+    tls_version: str | None
+    tls_cipher: str | None
+
+
+_OF_MESSAGES = """
+SELECT org_id, original_id, reply_id, header_message_id, sender, address, received_at,
+       listener, host(client_ip) AS client_ip, client_helo, auth_user, size, tls_version,
+       tls_cipher
+FROM duplicate_reception WHERE original_id = ANY ($1::uuid[])
+ORDER BY received_at, address COLLATE "C"  -- code point order, as Python sorts
+"""
+
+
+async def duplicates_of(db: Executor, message_ids: Sequence[uuid.UUID]) -> list[DuplicateRecord]:
+    """The duplicate receptions of these messages (by the message that holds each recipient),
+    oldest first."""
+    return [DuplicateRecord(**dict(r)) for r in await db.fetch(_OF_MESSAGES, list(message_ids))]
+
+
+# ---------------------------------------------------------------- pruning
+
+# Bounded per call, like the retention purge; a sweep round deletes at most `limit` of each.
+_PRUNE_ENTRIES = """
+DELETE FROM submission_dedup WHERE ctid = ANY (ARRAY (
+    SELECT ctid FROM submission_dedup WHERE expires_at <= now() LIMIT $1))
+"""
+
+# The records go with the messages of their age (retention.messages); ids are UUIDv7, so "before
+# the cutoff" is a range of the primary key, as in store.queue.purge_finished_messages.
+_PRUNE_RECORDS = """
+DELETE FROM duplicate_reception WHERE id = ANY (ARRAY (
+    SELECT id FROM duplicate_reception
+    WHERE id < $1 AND received_at < now() - make_interval(secs => $2)
+    ORDER BY id LIMIT $3))
+"""
+
+
+@dataclass(frozen=True)
+class Pruned:
+    entries: int  # duplicate-window entries whose window had ended
+    records: int  # duplicate receptions older than the retention
+
+
+async def prune(db: Executor, *, keep_records: float, limit: int = 100_000) -> Pruned:
+    """Delete up to `limit` entries whose window has ended, and, with `keep_records` > 0, up to
+    `limit` duplicate receptions received more than `keep_records` seconds ago."""
+    entries = _count(await db.execute(_PRUNE_ENTRIES, limit))
+    records = 0
+    if keep_records > 0:
+        cutoff = id_floor(time.time() - keep_records)
+        records = _count(await db.execute(_PRUNE_RECORDS, cutoff, float(keep_records), limit))
+    return Pruned(entries, records)
+
+
+def _count(command_tag: str) -> int:
+    return int(command_tag.rsplit(" ", 1)[-1])
