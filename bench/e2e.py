@@ -18,7 +18,7 @@ attempt start + duration; accept time = the message row's received_at, the commi
 the 250). Also: peak RSS per pigeon process. Bounded in count and time; loopback only.
 
     .venv/bin/python bench/e2e.py [--messages 20000] [--processes 2] [--dkim rsa|ed25519|none]
-        [--route relayhost|mx] [--sink-dump]
+        [--route relayhost|mx] [--sink-dump] [--duplicate-window W]
 """
 
 from __future__ import annotations
@@ -274,6 +274,12 @@ async def reuse_counts(metrics_port: int) -> dict[str, float]:
     return found
 
 
+def limits_config(args: argparse.Namespace) -> str:
+    if args.duplicate_window is None:
+        return ""
+    return f'[limits]\nduplicate_window = "{args.duplicate_window}"\n'
+
+
 def route_config(route: str, sink_port: int, dns: DnsServer | None) -> str:
     """The [delivery] and [dns] config that sends the bench's mail to the sink."""
     if route == "relayhost" or dns is None:
@@ -305,6 +311,11 @@ async def main() -> None:
     parser.add_argument("--timeout", type=float, default=300, help="phase 1 gives up after this")
     parser.add_argument("--route", choices=["relayhost", "mx"], default="relayhost")
     parser.add_argument("--sink-dump", action="store_true", help="smtp-sink writes every message")
+    parser.add_argument(
+        "--duplicate-window",
+        help="limits.duplicate_window (default: the config's own); smtp-source sends a Message-ID, "
+        "so every message takes the duplicate check unless this is 0",
+    )
     args = parser.parse_args()
     for tool in ("smtp-source", "smtp-sink"):
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
@@ -335,7 +346,7 @@ address = "127.0.0.1:{relay_port}"
 mode = "relay"
 [relay]
 trusted_networks = ["127.0.0.0/8"]
-{route_config(args.route, sink_port, dns)}[metrics]
+{route_config(args.route, sink_port, dns)}{limits_config(args)}[metrics]
 listen = "127.0.0.1:{metrics_port}"
 [log]
 delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
