@@ -6,7 +6,7 @@ import ipaddress
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import asyncpg
 
@@ -34,6 +34,13 @@ class Conversation:
     login: store_credentials.Login | None = None
     # The org's answers to "may it send as this domain?", asked once per connection.
     sender_domains: dict[str, bool] = field(default_factory=dict)
+
+
+def conversation(server: Any) -> Conversation:
+    """The Conversation of the connection an aiosmtpd hook is given as `server`."""
+    conv = server.conversation
+    assert isinstance(conv, Conversation)
+    return conv
 
 
 class OpenSession(Protocol):

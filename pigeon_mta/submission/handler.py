@@ -1,14 +1,14 @@
-"""The aiosmtpd handler: who may send (relay policy, AUTH), what (sender policy, limits), and the
-enqueue that must commit before the 250.
+"""The aiosmtpd handler: the hooks of a submission in the order they run (AUTH, MAIL, RCPT, DATA),
+and the enqueue that must commit before the 250.
 
 Hooks receive the connection (`server`, a `protocol.SMTPSession`); per-connection facts live on its
-`conversation`. Every decision is a reply constant from `replies`.
+`conversation`. Every decision is a reply constant from `replies`. The SASL exchange of AUTH is
+`sasl.SaslExchange`'s; which senders an org may use is `policy.SenderPolicy`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import logging
 import uuid
@@ -18,21 +18,18 @@ from typing import Any
 from aiosmtpd.smtp import MISSING, AuthResult, Envelope, Session, TLSSetupException
 
 from pigeon_mta import model
-from pigeon_mta.header_bounds import FieldBounds, FieldProblem, split_addresses
 from pigeon_mta.ids import new_id
-from pigeon_mta.message import HeaderTooLarge, address_domains
-from pigeon_mta.metrics import AUTH_FAILURES
-from pigeon_mta.store import domains as store_domains
-from pigeon_mta.store import limits as store_limits
+from pigeon_mta.message import HeaderTooLarge
 from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.store.duplicates import Duplicates
 from pigeon_mta.submission import replies
 from pigeon_mta.submission.addresses import AddressProblem, Mailbox, parse_mailbox
-from pigeon_mta.submission.auth import Verdict
-from pigeon_mta.submission.context import Conversation, ListenerContext
+from pigeon_mta.submission.context import ListenerContext, conversation
 from pigeon_mta.submission.fixups import TooManyHops, Trace, apply_fixups
 from pigeon_mta.submission.mail_params import TransactionEnvelope
+from pigeon_mta.submission.policy import SenderPolicy
 from pigeon_mta.submission.reception import Reception, record_duplicates, record_reception
+from pigeon_mta.submission.sasl import SaslExchange
 
 log = logging.getLogger("pigeon_mta.submission")
 
@@ -53,7 +50,8 @@ class SubmissionHandler:
 
     def __init__(self, ctx: ListenerContext) -> None:
         self.ctx = ctx
-        self.from_bounds = FieldBounds(ctx.limits.max_from_addresses, ctx.limits.max_from_length)
+        self.sasl = SaslExchange(ctx)
+        self.policy = SenderPolicy(ctx)
 
     def __dir__(self) -> list[str]:
         # aiosmtpd looks through dir() of the handler on every new connection (see
@@ -65,115 +63,16 @@ class SubmissionHandler:
     async def handle_AUTH(
         self, server: Any, session: Session, envelope: Envelope, args: list[str]
     ) -> Any:
-        conv = conversation(server)
         if envelope.mail_from:
             return replies.AUTH_IN_TRANSACTION
-        try:
-            throttled = await self.ctx.authenticator.is_throttled(conv.client_ip)
-        except DB_ERRORS as exc:
-            log.warning("AUTH from [%s]: cannot check throttling: %s", conv.client_ip, exc)
-            return replies.AUTH_UNAVAILABLE
-        if throttled:
-            log.warning("AUTH from [%s] refused: too many recent failures", conv.client_ip)
-            return replies.AUTH_THROTTLED
-        return MISSING
+        refusal = await self.sasl.refusal_to_start(server)
+        return refusal if refusal is not None else MISSING
 
     async def auth_PLAIN(self, server: Any, args: list[str]) -> AuthResult:
-        """RFC 4616: [authzid] NUL authcid NUL passwd, as initial response or after a 334."""
-        blob = await self._auth_response(server, args[1] if len(args) > 1 else None, "")
-        if blob is None:
-            return AuthResult(success=False)
-        parts = blob.split(b"\0")
-        if len(parts) != 3:
-            return await self._refuse(server, None, "malformed PLAIN response")
-        authzid, login, password = parts
-        if authzid and authzid != login:
-            return await self._refuse(
-                server, _text(login), "authzid differs", replies.AUTH_BAD_AUTHZID
-            )
-        return await self._check(server, login, password)
+        return await self.sasl.plain(server, args)
 
     async def auth_LOGIN(self, server: Any, args: list[str]) -> AuthResult:
-        login = await self._auth_response(server, args[1] if len(args) > 1 else None, "Username:")
-        if login is None:
-            return AuthResult(success=False)
-        password = await self._auth_response(server, None, "Password:")
-        if password is None:
-            return AuthResult(success=False)
-        return await self._check(server, login, password)
-
-    async def _auth_response(
-        self, server: Any, initial: str | None, challenge: str
-    ) -> bytes | None:
-        """The client's decoded answer; None when the exchange ended (a reply was already sent)."""
-        if initial is not None:
-            if initial == "=":
-                return b""  # RFC 4954 4: "=" is an empty initial response
-            try:
-                return base64.b64decode(initial, validate=True)
-            except ValueError:
-                await server.push(replies.AUTH_BAD_BASE64)
-                return None
-        try:
-            answer = await server.challenge_auth(challenge)
-        except ValueError:  # the line was longer than the stream limit
-            await server.push(replies.AUTH_LINE_TOO_LONG)
-            return None
-        return None if answer is MISSING else bytes(answer)
-
-    async def _check(self, server: Any, login_bytes: bytes, password_bytes: bytes) -> AuthResult:
-        conv = conversation(server)
-        try:
-            username = login_bytes.decode("utf-8")
-            password = password_bytes.decode("utf-8")
-        except UnicodeDecodeError:
-            return await self._refuse(server, _text(login_bytes), "credentials are not UTF-8")
-        if not username:
-            return await self._refuse(server, None, "empty username")
-        try:
-            checked = await self.ctx.authenticator.check(
-                username, password, client_ip=conv.client_ip
-            )
-        except DB_ERRORS as exc:
-            log.warning("AUTH from [%s]: cannot check credentials: %s", conv.client_ip, exc)
-            return AuthResult(success=False, handled=False, message=replies.AUTH_UNAVAILABLE)
-        if checked.verdict is Verdict.THROTTLED:
-            log.warning("AUTH from [%s] refused: too many recent failures", conv.client_ip)
-            return AuthResult(success=False, handled=False, message=replies.AUTH_THROTTLED)
-        if checked.verdict is not Verdict.OK or checked.login is None:
-            return await self._refuse(server, username, checked.reason)
-        conv.login = checked.login
-        log.info(
-            "AUTH ok: user=%s client=[%s] listener=%s",
-            checked.login.username,
-            conv.client_ip,
-            self.ctx.name,
-        )
-        return AuthResult(success=True, auth_data=checked.login, message=replies.AUTH_OK)
-
-    async def _refuse(
-        self, server: Any, username: str | None, why: str, reply: str = replies.AUTH_INVALID
-    ) -> AuthResult:
-        conv = conversation(server)
-        AUTH_FAILURES.labels(listener=self.ctx.name).inc()
-        log.warning(
-            "AUTH failed: user=%s client=[%s] listener=%s: %s",
-            username if username is not None else "-",
-            conv.client_ip,
-            self.ctx.name,
-            why,
-        )
-        try:
-            over_limit = await self.ctx.authenticator.record_failure(
-                client_ip=conv.client_ip, username=username, listener=self.ctx.name
-            )
-        except DB_ERRORS as exc:
-            log.warning("cannot record the AUTH failure of [%s]: %s", conv.client_ip, exc)
-            over_limit = False
-        if over_limit:
-            # Failures of parallel attempts reached the limit before this one was counted.
-            return AuthResult(success=False, handled=False, message=replies.AUTH_THROTTLED)
-        return AuthResult(success=False, handled=False, message=reply)
+        return await self.sasl.login(server, args)
 
     # ------------------------------------------------------------ envelope
 
@@ -197,7 +96,7 @@ class SubmissionHandler:
             sender = parsed
         if conv.login is not None:
             try:
-                refusal = await self._check_authenticated_sender(conv, sender)
+                refusal = await self.policy.check_authenticated_sender(conv, sender)
             except DB_ERRORS as exc:
                 log.warning("MAIL from [%s]: database trouble: %s", conv.client_ip, exc)
                 return replies.DATABASE_TROUBLE
@@ -206,42 +105,6 @@ class SubmissionHandler:
         envelope.mail_from = str(sender) if sender else NULL_SENDER_MARK
         envelope.mail_options.extend(options)
         return replies.SENDER_OK
-
-    async def _check_authenticated_sender(
-        self, conv: Conversation, sender: Mailbox | None
-    ) -> str | None:
-        assert conv.login is not None
-        if sender is not None and self.ctx.sender_policy != "off":
-            if not await self._org_owns(conv, sender.domain):
-                log.warning(
-                    "MAIL refused: user=%s may not send as <%s>", conv.login.username, sender
-                )
-                return replies.SENDER_NOT_OWNED
-        limit = self.ctx.limits.credential_rate_limit
-        if limit > 0:
-            recent = await store_limits.recent_messages_of_credential(
-                self.ctx.pool,
-                conv.login.id,
-                window=self.ctx.limits.credential_rate_window,
-                up_to=limit,
-            )
-            if recent >= limit:
-                log.warning(
-                    "MAIL deferred: user=%s reached its rate limit (%d per %gs)",
-                    conv.login.username,
-                    limit,
-                    self.ctx.limits.credential_rate_window,
-                )
-                return replies.RATE_LIMITED
-        return None
-
-    async def _org_owns(self, conv: Conversation, domain: str) -> bool:
-        assert conv.login is not None
-        known = conv.sender_domains.get(domain)
-        if known is None:
-            known = await store_domains.org_may_send_as(self.ctx.pool, conv.login.org_id, domain)
-            conv.sender_domains[domain] = known
-        return known
 
     async def handle_RCPT(
         self, server: Any, session: Session, envelope: Envelope, address: str, options: list[str]
@@ -269,7 +132,7 @@ class SubmissionHandler:
         conv = conversation(server)
         # The DATA timer must not cut the connection while the commit is under way.
         server.restart_command_timer()
-        org_id = await self._org_of(conv)
+        org_id = await self.policy.org_of(conv)
         if org_id is None:
             return replies.DATABASE_TROUBLE
         sender = "" if envelope.mail_from == NULL_SENDER_MARK else str(envelope.mail_from)
@@ -315,7 +178,7 @@ class SubmissionHandler:
                 self.ctx.limits.max_hops,
             )
             return replies.TOO_MANY_HOPS
-        refusal = await self._check_originators(conv, fixed.address_fields)
+        refusal = await self.policy.check_originators(conv, fixed.address_fields)
         if refusal:
             return refusal
         message = model.Envelope(
@@ -365,69 +228,6 @@ class SubmissionHandler:
             )
             return replies.DATABASE_TROUBLE
         return replies.QUEUED.format(queue_id=self._announce(message, reception, duplicates))
-
-    async def _check_originators(
-        self, conv: Conversation, fields: list[tuple[str, str]]
-    ) -> str | None:
-        """The originator fields of a message (`message.ORIGINATOR_FIELDS`) against the policy.
-
-        Every client's From: is measured (header_bounds.py): one that cannot be parsed within the
-        bounds is refused here rather than queued for the DKIM signer to choke on. With the strict
-        sender policy an AUTH user's message must also name a From: address, and every From:,
-        Sender:, Resent-From: and Resent-Sender: address must be at one of its org's domains.
-        """
-        strict = conv.login is not None and self.ctx.sender_policy == "strict"
-        domains: dict[str, set[str]] = {}
-        for name, value in fields:
-            if name != "from" and not strict:
-                continue
-            read = (
-                address_domains(value, self.from_bounds)
-                if strict
-                else split_addresses(value, self.from_bounds)
-            )
-            if isinstance(read, FieldProblem):
-                log.warning(
-                    "DATA from [%s] refused: its %s: header %s (%d characters)",
-                    conv.client_ip,
-                    name,
-                    read.value,
-                    len(value),
-                )
-                return replies.FIELD_UNREADABLE[name, read]
-            if strict:
-                assert isinstance(read, set)
-                domains.setdefault(name, set()).update(read)
-        if not strict:
-            return None
-        assert conv.login is not None
-        if not domains.get("from"):
-            log.warning("DATA refused: user=%s sent no From: address", conv.login.username)
-            return replies.NO_FROM
-        try:
-            for name, named in domains.items():
-                for domain in sorted(named):
-                    if not await self._org_owns(conv, domain):
-                        log.warning(
-                            "DATA refused: user=%s may not use %s: @%s",
-                            conv.login.username,
-                            name,
-                            domain,
-                        )
-                        return replies.FIELD_NOT_OWNED[name]
-        except DB_ERRORS as exc:
-            log.warning("DATA from [%s]: database trouble: %s", conv.client_ip, exc)
-            return replies.DATABASE_TROUBLE
-        return None
-
-    async def _org_of(self, conv: Conversation) -> uuid.UUID | None:
-        if conv.login is not None:
-            return conv.login.org_id
-        try:
-            return await self.ctx.trusted_org_id()
-        except DB_ERRORS as exc:
-            log.warning("cannot look up the trusted org: %s", exc)
-            return None
 
     async def _enqueue(
         self, server: Any, message: model.Envelope, reception: Reception
@@ -503,16 +303,6 @@ def names_with_prefixes(cls: type, prefixes: tuple[str, ...]) -> list[str]:
     if names is None:
         names = _NAMES[cls, prefixes] = sorted(n for n in dir(cls) if n.startswith(prefixes))
     return names
-
-
-def conversation(server: Any) -> Conversation:
-    conv = server.conversation
-    assert isinstance(conv, Conversation)
-    return conv
-
-
-def _text(data: bytes) -> str:
-    return data.decode("utf-8", "replace")
 
 
 def _printable(text: str | None) -> str | None:
