@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import hmac
 import os
 import secrets
 import string
-import typing
 import unicodedata
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
 
 import asyncpg
 
 from pigeon_mta.ids import new_id
-from pigeon_mta.store.executor import Executor
+from pigeon_mta.store.executor import Executor, transaction
 
 # scrypt cost: 2^14 x 8 x 1 takes 16 MiB and tens of milliseconds, as RFC 7914 suggests for
 # interactive logins. The parameters are stored in each hash, so they can be raised later.
@@ -188,7 +185,7 @@ async def add_credential(
     db: Executor, org_id: uuid.UUID, username: str, password_hash: str
 ) -> Credential:
     """Add a user; CredentialExists when a user of the same normal form (`username_key`) exists."""
-    async with _transaction(db) as conn:
+    async with transaction(db) as conn:
         await conn.execute("SELECT pg_advisory_xact_lock($1)", _NAMES_LOCK)
         row = await conn.fetchrow(
             _ADD, new_id(), org_id, username, password_hash, username_key(username)
@@ -205,16 +202,6 @@ async def add_credential(
                 f"user '{existing}' already exists and '{username}' differs from it only by case"
             )
     return _credential(row)
-
-
-@contextlib.asynccontextmanager
-async def _transaction(db: Executor) -> AsyncIterator[asyncpg.Connection]:
-    if isinstance(db, asyncpg.Pool):
-        async with db.acquire() as conn, conn.transaction():
-            yield typing.cast(asyncpg.Connection, conn)
-    else:
-        async with db.transaction():
-            yield db
 
 
 async def list_credentials(db: Executor) -> list[Credential]:
@@ -259,7 +246,7 @@ async def _update(
 async def delete_credential(db: Executor, username: str) -> Credential | None:
     """Delete a user; None when there is no such user. Its messages keep their `auth_user` (the
     name, for the log) and lose only the link to the row (used by the per-user message rate)."""
-    async with _transaction(db) as conn:
+    async with transaction(db) as conn:
         row = await conn.fetchrow(
             f"SELECT {_COLUMNS} FROM credential c JOIN org o ON o.id = c.org_id "
             "WHERE c.username = $1 FOR UPDATE OF c",
