@@ -1,7 +1,5 @@
-"""Composition root of `pigeon-mta serve`: the parts a node and each of its worker processes run.
-
-pigeon_mta/supervisor.py decides which process runs them, and when they stop.
-"""
+"""Composition root of `pigeon-mta serve`: the parts a node and each of its worker processes run
+(pigeon_mta/supervisor.py decides which process runs them, and when they stop)."""
 
 from __future__ import annotations
 
