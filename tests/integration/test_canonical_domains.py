@@ -75,7 +75,8 @@ async def test_migration_0015_brings_hand_written_rows_to_the_spelling(empty_db:
                 org_id,
                 domain,
             )
-        assert [m.version for m in await migrate(conn)] == [15]
+        applied = [m.version for m in await migrate(conn)]
+        assert applied[0] == 15, applied  # and the later ones, which know nothing of domains
         stored = await conn.fetch("SELECT domain FROM sender_domain ORDER BY domain")
     finally:
         await conn.close()
