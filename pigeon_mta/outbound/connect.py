@@ -135,7 +135,8 @@ class SmtpConnection:
 # Opportunistic TLS takes any cipher OpenSSL still has, at security level 0: a server that speaks
 # only TLS 1.0 or 1.1 (with their SHA-1 CBC suites, which Python's default list and OpenSSL 3's
 # default level refuse) gets TLS rather than plaintext, as Postfix's `may` gives it. Anonymous and
-# null ciphers stay out. The server still chooses, and modern servers choose as before.
+# null ciphers stay out. The server chooses among what both offer, so a modern server still picks
+# TLS 1.3 or a strong TLS 1.2 suite.
 OPPORTUNISTIC_CIPHERS = "DEFAULT:!aNULL:!eNULL:@SECLEVEL=0"
 
 

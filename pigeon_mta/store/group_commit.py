@@ -5,7 +5,7 @@ Each accepted message needs its own commit before its `250`, and a commit costs 
 round trip and a WAL flush. With many sessions in one process, messages finish their DATA phase
 close together; instead of one statement each, the ones waiting when a commit finishes go into the
 next statement together (`store.queue.enqueue_many`). Nothing waits for a timer: a lone message is
-written at once, exactly as before; batches form only when commits are already busy. Every
+written at once, in a statement of its own; batches form only when commits are already busy. Every
 message of a batch is committed or none is, and each caller learns the outcome of the commit that
 holds its message; a batch refused for any reason other than a database outage is tried again one
 message at a time, so one bad message cannot fail its neighbours.
