@@ -228,28 +228,10 @@ async def enqueue_submitted(
 
 
 def _many_arguments(batch: Sequence[tuple[uuid.UUID, Envelope]]) -> list[Sequence[object]]:
-    """The parameters of _ENQUEUE_MANY: one array per column, one element per message (then per
-    recipient for $12-$15)."""
-    recipients = [(q, r) for q, envelope in batch for r in envelope.recipients]
+    """The parameters of _ENQUEUE_MANY: the plain batch enqueue's ($1-$18), then each message's
+    key and window."""
     return [
-        [q for q, _e in batch],
-        [e.org_id for _q, e in batch],
-        [e.sender for _q, e in batch],
-        [e.header_message_id for _q, e in batch],
-        [len(e.body) for _q, e in batch],
-        [e.body for _q, e in batch],
-        [e.listener for _q, e in batch],
-        [e.client_ip for _q, e in batch],
-        [e.client_helo for _q, e in batch],
-        [e.credential_id for _q, e in batch],
-        [e.auth_user for _q, e in batch],
-        new_ids(len(recipients)),
-        [q for q, _r in recipients],
-        [r for _q, r in recipients],
-        [recipient_domain(r) for _q, r in recipients],
-        [e.received_at for _q, e in batch],
-        [e.tls_version for _q, e in batch],
-        [e.tls_cipher for _q, e in batch],
+        *store_queue.batch_columns(batch),
         [message_key(e.header_message_id or "") if _checked(e) else None for _q, e in batch],
         [float(e.duplicate_window) for _q, e in batch],
     ]

@@ -129,9 +129,14 @@ async def enqueue_many(
             e.tls_cipher,
         )
         return
+    await db.execute(_ENQUEUE_MANY if notify else _ENQUEUE_MANY_QUIET, *batch_columns(batch))
+
+
+def batch_columns(batch: Sequence[tuple[uuid.UUID, Envelope]]) -> list[Sequence[object]]:
+    """The parameters $1-$18 of _ENQUEUE_MANY (and of the duplicate check's batch statement): one
+    array per column, one element per message, but $12-$15, one element per recipient."""
     recipients = [(q, r) for q, envelope in batch for r in envelope.recipients]
-    await db.execute(
-        _ENQUEUE_MANY if notify else _ENQUEUE_MANY_QUIET,
+    return [
         [q for q, _e in batch],
         [e.org_id for _q, e in batch],
         [e.sender for _q, e in batch],
@@ -150,4 +155,4 @@ async def enqueue_many(
         [e.received_at for _q, e in batch],
         [e.tls_version for _q, e in batch],
         [e.tls_cipher for _q, e in batch],
-    )
+    ]
