@@ -176,6 +176,9 @@ class ListenerSettings:
     tls_key: str = ""
     # Allow AUTH without TLS. Honoured only when the listener address is loopback.
     allow_plaintext_auth: bool = False
+    # The lane of mail queued through this listener, unless its header or its AUTH user names
+    # one ("" = the default lane, "transactional"). Must be a lane of [lanes].
+    lane: str = ""
 
 
 @dataclass(frozen=True)
@@ -390,6 +393,29 @@ class LogSettings:
     delivery_log: str = "-"
 
 
+# The lane every message is in unless it names another; and the lane for campaigns.
+DEFAULT_LANE = "transactional"
+BULK_LANE = "bulk"
+
+
+@dataclass(frozen=True)
+class LaneSettings:
+    """One [lanes.NAME] entry: a class of mail with its own share of the delivery capacity."""
+
+    # Share of delivery capacity while several lanes have due mail (within a lane, every org
+    # with due mail gets an even part of the lane's share).
+    weight: float = 1.0
+    # Messages per second for the whole lane, across every process and node (0: no limit).
+    rate: float = 0.0
+    # How long a recipient in this lane is retried before it expires ("0": delivery.max_age).
+    max_age: Duration = Duration(0)
+
+
+def default_lanes() -> dict[str, LaneSettings]:
+    """The built-in lanes; [lanes.NAME] entries add lanes or change these."""
+    return {DEFAULT_LANE: LaneSettings(weight=10.0), BULK_LANE: LaneSettings(weight=1.0)}
+
+
 def _default_listeners() -> tuple[ListenerSettings, ...]:
     return (
         ListenerSettings(name="relay", address=HostPort("127.0.0.1", 2525), mode="relay"),
@@ -410,5 +436,7 @@ class Settings:
     retention: RetentionSettings = field(default_factory=RetentionSettings)
     bounces: BounceSettings = field(default_factory=BounceSettings)
     log: LogSettings = field(default_factory=LogSettings)
+    # Lanes by name: always "transactional" and "bulk", and those [lanes.NAME] declares.
+    lanes: dict[str, LaneSettings] = field(default_factory=default_lanes)
     # Where the settings came from, for messages ("built-in defaults" or a path).
     source: str = "built-in defaults"

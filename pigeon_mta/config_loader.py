@@ -21,9 +21,11 @@ from pigeon_mta.config import (
     DeliverySettings,
     Duration,
     HostPort,
+    LaneSettings,
     Network,
     ServerSettings,
     Settings,
+    default_lanes,
     nameserver_address,
 )
 
@@ -66,6 +68,7 @@ def load_settings(
             raise ConfigError(f"config file {chosen} cannot be read: {exc.strerror}") from None
         source = chosen
     settings = _build(Settings, data, "")
+    settings = dataclasses.replace(settings, lanes=_with_builtin_lanes(settings, data))
     url = env.get(ENV_DATABASE_URL, "")
     if url:
         settings = dataclasses.replace(
@@ -75,6 +78,48 @@ def load_settings(
     _check(settings)
     assert isinstance(settings, Settings)
     return settings
+
+
+def _with_builtin_lanes(settings: Settings, data: dict[str, Any]) -> dict[str, LaneSettings]:
+    """The built-in lanes, each key a [lanes.NAME] entry sets replacing the built-in's value,
+    then the lanes the file adds."""
+    declared = data.get("lanes", {})
+    lanes = default_lanes()
+    for name, lane in settings.lanes.items():
+        builtin = lanes.get(name)
+        if builtin is None:
+            lanes[name] = lane
+            continue
+        given = declared.get(name, {})
+        lanes[name] = dataclasses.replace(
+            builtin, **{f: getattr(lane, f) for f in given if hasattr(lane, f)}
+        )
+    return lanes
+
+
+# A lane name as the X-Pigeon-Lane header, the CLI and metric labels carry it.
+LANE_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
+
+
+def _check_lanes(settings: Settings) -> None:
+    for name, lane in settings.lanes.items():
+        if not LANE_NAME.fullmatch(name):
+            raise ConfigError(
+                f"bad lane name 'lanes.{name}': use lower-case letters, digits, '.', '_' and '-' "
+                "(at most 63, starting with a letter or digit)"
+            )
+        if lane.weight <= 0:
+            raise ConfigError(f"'lanes.{name}.weight' must be more than zero")
+        if lane.rate < 0:
+            raise ConfigError(f"'lanes.{name}.rate' must not be negative")
+        if lane.max_age < 0:
+            raise ConfigError(f"'lanes.{name}.max_age' must not be negative")
+    for listener in settings.listener:
+        if listener.lane and listener.lane not in settings.lanes:
+            known = ", ".join(sorted(settings.lanes))
+            raise ConfigError(
+                f"listener '{listener.name}': lane '{listener.lane}' is not a lane (lanes: {known})"
+            )
 
 
 def settings_schema_keys(cls: type = Settings, prefix: str = "") -> list[str]:
@@ -197,6 +242,7 @@ def _check(settings: Settings) -> None:
                 f"listener '{listener.name}': set both tls_cert and tls_key, or neither"
             )
     _check_submission(settings)
+    _check_lanes(settings)
     delivery = settings.delivery
     if delivery.retry_initial <= 0:
         raise ConfigError("'delivery.retry_initial' must be more than zero")

@@ -145,6 +145,7 @@ class ClaimedRow:
     domain: str
     body: bytes | None  # on one row of each message (each body is read once)
     recipient: ClaimedRecipient
+    lane: str = "transactional"
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ class Delivery:
     received_at: datetime
     body: bytes
     recipients: tuple[ClaimedRecipient, ...]
+    lane: str = "transactional"
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ def group_deliveries(
                 received_at=first.received_at,
                 body=bodies[message_id],
                 recipients=tuple(row.recipient for row in members),
+                lane=first.lane,
             )
         )
     deliveries.sort(key=lambda d: (d.received_at, d.message_id))

@@ -50,9 +50,10 @@ WITH c AS (
         LIMIT $3
         FOR UPDATE SKIP LOCKED))
     RETURNING r.id, r.message_id, r.domain, r.address, r.attempts, r.created_at, r.last_code,
-              r.last_enhanced_code, r.last_response
+              r.last_enhanced_code, r.last_response, r.lane
 )
 SELECT m.id AS message_id, m.org_id, m.sender, m.header_message_id, m.received_at, c.domain,
+       c.lane,
        c.id, c.address, c.attempts, c.created_at, c.last_code, c.last_enhanced_code,
        c.last_response,
        -- Each body once, on one row of its message, however many recipients and destination
@@ -81,6 +82,7 @@ async def claim_due_recipients(
             received_at=row["received_at"],
             domain=row["domain"],
             body=row["body"],
+            lane=row["lane"],
             recipient=ClaimedRecipient(
                 id=row["id"],
                 address=row["address"],
