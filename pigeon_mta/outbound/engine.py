@@ -95,6 +95,7 @@ class DeliveryEngine:
         # Recipients promised to this process's listeners since the last claim (see `takes`).
         self._promised = 0
         self._bite = max(1, min(self.delivery.batch_size, self.delivery.concurrency // 4))
+        self._lane_weights = {name: lane.weight for name, lane in settings.lanes.items()}
 
     # ------------------------------------------------------------ service
 
@@ -224,7 +225,11 @@ class DeliveryEngine:
             want = min(delivery.batch_size, room)
             try:
                 claimed = await store_leases.claim_due_recipients(
-                    self.pool, owner=self.owner, lease=delivery.lease, batch=want
+                    self.pool,
+                    owner=self.owner,
+                    lease=delivery.lease,
+                    batch=want,
+                    lane_weights=self._lane_weights,
                 )
             except DB_ERRORS as exc:
                 log.warning("delivery engine cannot claim work: %s", exc)

@@ -9,7 +9,7 @@ overwrite the work of the claim that replaced it.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 
 import asyncpg
@@ -31,24 +31,66 @@ from pigeon_mta.store.executor import Executor
 # store/suppression.py, which owns it.
 SUPPRESSION_ACTIVE = "(s.expires_at IS NULL OR s.expires_at > now())"
 
-# Cross-tenant by design: the claim serves every org's queue. ARRAY(...) makes the locking subquery
-# run once; the partial index recipient_due serves its WHERE and ORDER BY. One row per recipient,
-# grouped in Python (outbound/claims.py): grouping in SQL (array_agg ... ORDER BY per column and
-# group) cost PostgreSQL about a seventh of the claim (bench/README.md "Queue").
+# Cross-tenant by design: the claim serves every org's queue, fairly. Due recipients fall into
+# (org, lane) groups; each group with due mail gets a share of the batch by its lane's weight, the
+# lane's share split evenly between its orgs, at least one each. When there are more groups than
+# the batch holds, the groups that get one come in random order: ordered by age, the groups of old
+# backlogs would come first at every claim and a newer group's mail would wait for their backlogs.
+# What the shares leave unused (a group with fewer due rows than its share) goes to the groups'
+# further due rows, so a lone backlog gets the whole batch: the claim is work-conserving. One org's
+# backlog of any size thus delays another org's due mail by at most one claim.
+#
+# `groups` walks the partial index recipient_due_group (org_id, lane, next_attempt_at) of queued
+# rows one (org, lane) at a time (a skip scan: one index descent per group, whatever the rows per
+# group, landing on the group's oldest row); `due` keeps those whose oldest row is due; `shares`
+# weighs them. `fair` takes each group's share oldest first, `rest` fills the batch; both lock
+# with SKIP LOCKED, so claims of several workers pass each other. ARRAY(...) makes each locking
+# subquery run once. One row per recipient, grouped in Python (outbound/claims.py): grouping in
+# SQL (array_agg ... ORDER BY per column and group) cost PostgreSQL about a seventh of the claim
+# (bench/README.md "Queue").
 _CLAIM = f"""
-WITH c AS (
+WITH RECURSIVE groups AS (
+    (SELECT org_id, lane, next_attempt_at AS oldest FROM recipient WHERE status = 'queued'
+     ORDER BY org_id, lane, next_attempt_at LIMIT 1)
+    UNION ALL
+    SELECT n.* FROM groups g CROSS JOIN LATERAL (
+        SELECT org_id, lane, next_attempt_at FROM recipient
+        WHERE status = 'queued' AND (org_id, lane) > (g.org_id, g.lane)
+        ORDER BY org_id, lane, next_attempt_at LIMIT 1) n
+), due AS (
+    SELECT g.org_id, g.lane, COALESCE(w.weight, 1.0) / count(*) OVER (PARTITION BY g.lane) AS weight
+    FROM groups g
+    LEFT JOIN unnest($4::text[], $5::float8[]) AS w (lane, weight) ON w.lane = g.lane
+    WHERE g.oldest <= now()
+), shares AS (
+    SELECT org_id, lane, greatest(1, floor($3::int * weight / sum(weight) OVER ()))::int AS share
+    FROM due
+), fair AS (
+    SELECT x.id FROM (SELECT * FROM shares ORDER BY random()) s
+    CROSS JOIN LATERAL (
+        SELECT id FROM recipient
+        WHERE status = 'queued' AND org_id = s.org_id AND lane = s.lane
+          AND next_attempt_at <= now()
+        ORDER BY next_attempt_at LIMIT s.share
+        FOR UPDATE SKIP LOCKED) x
+    LIMIT $3
+), rest AS (
+    SELECT x.id FROM shares s
+    CROSS JOIN LATERAL (
+        SELECT id FROM recipient
+        WHERE status = 'queued' AND org_id = s.org_id AND lane = s.lane
+          AND next_attempt_at <= now() AND id <> ALL (ARRAY (SELECT id FROM fair))
+        ORDER BY next_attempt_at LIMIT $3
+        FOR UPDATE SKIP LOCKED) x
+    LIMIT greatest(0, $3 - (SELECT count(*) FROM fair))
+), c AS (
     UPDATE recipient r
     SET status = 'delivering',
         lease_until = now() + make_interval(secs => $1),
         lease_owner = $2,
         attempts = r.attempts + 1,
         updated_at = now()
-    WHERE r.id = ANY (ARRAY (
-        SELECT id FROM recipient
-        WHERE status = 'queued' AND next_attempt_at <= now()
-        ORDER BY next_attempt_at
-        LIMIT $3
-        FOR UPDATE SKIP LOCKED))
+    WHERE r.id = ANY (ARRAY (SELECT id FROM fair UNION ALL SELECT id FROM rest))
     RETURNING r.id, r.message_id, r.domain, r.address, r.attempts, r.created_at, r.last_code,
               r.last_enhanced_code, r.last_response, r.lane
 )
@@ -69,10 +111,18 @@ LEFT JOIN suppression s ON s.org_id = m.org_id AND s.address = lower(c.address)
 
 
 async def claim_due_recipients(
-    db: Executor, *, owner: str, lease: float, batch: int
+    db: Executor,
+    *,
+    owner: str,
+    lease: float,
+    batch: int,
+    lane_weights: Mapping[str, float] | None = None,
 ) -> list[ClaimedRow]:
-    """Claim up to `batch` due recipients: one row each, in no particular order. Each message's
-    body is on one of its rows; `group_deliveries` (outbound/claims.py) makes the deliveries."""
+    """Claim up to `batch` due recipients, shared fairly between (org, lane) groups by
+    `lane_weights` (a lane missing from it weighs 1): one row each, in no particular order. Each
+    message's body is on one of its rows; `group_deliveries` (outbound/claims.py) makes the
+    deliveries."""
+    weights = dict(lane_weights or {})
     return [
         ClaimedRow(
             message_id=row["message_id"],
@@ -92,7 +142,9 @@ async def claim_due_recipients(
                 last_reply=_last_reply(row),
             ),
         )
-        for row in await db.fetch(_CLAIM, float(lease), owner, batch)
+        for row in await db.fetch(
+            _CLAIM, float(lease), owner, batch, list(weights), [float(w) for w in weights.values()]
+        )
     ]
 
 

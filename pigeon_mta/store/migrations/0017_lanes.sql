@@ -7,6 +7,10 @@ ALTER TABLE recipient ADD COLUMN lane text NOT NULL DEFAULT 'transactional';
 ALTER TABLE credential ADD COLUMN lane text;
 
 -- The fair claim (store/leases.py) walks the (org, lane) groups that have queued rows and takes
--- each group's due rows oldest first: one index serves both, and it holds only queued rows.
+-- each group's due rows oldest first: one index serves both, and it holds only queued rows. It
+-- replaces recipient_due (next_attempt_at of queued rows): with both, the planner may take one
+-- group's due rows from recipient_due, walking past every other group's backlog to find them, and
+-- every state change of a recipient row would write one more index entry.
 CREATE INDEX recipient_due_group ON recipient (org_id, lane, next_attempt_at)
     WHERE status = 'queued';
+DROP INDEX recipient_due;

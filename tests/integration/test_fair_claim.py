@@ -1,0 +1,123 @@
+"""The fair claim: due recipients shared between (org, lane) groups, on a real PostgreSQL.
+
+Each group with due mail gets a share of the batch by its lane's weight (split evenly between the
+orgs of a lane); what the shares leave unused fills the batch, so a lone backlog takes it whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+
+import asyncpg
+
+from pigeon_mta.model import ClaimedRow
+from pigeon_mta.store import leases
+from pigeon_mta.store.orgs import ensure_org
+from tests.integration.queue_helpers import LANE_WEIGHTS, bulk_queue
+
+OWNER = "fair-test/run"
+
+
+async def claim_rows(pool: asyncpg.Pool, batch: int) -> list[ClaimedRow]:
+    return await leases.claim_due_recipients(
+        pool, owner=OWNER, lease=300, batch=batch, lane_weights=LANE_WEIGHTS
+    )
+
+
+def groups(rows: list[ClaimedRow]) -> Counter[tuple[uuid.UUID, str]]:
+    return Counter((row.org_id, row.lane) for row in rows)
+
+
+async def test_another_orgs_mail_is_claimed_first_round_behind_a_large_backlog(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    # The backlog is older than the other org's mail: a FIFO claim would hand out 100,000 first.
+    await bulk_queue(pool, org_id, messages=100_000, age=600, domain="bulk.test")
+    other = await ensure_org(pool, "app")
+    await bulk_queue(pool, other, messages=3, domain="idle.test")
+    await pool.execute("ANALYZE recipient")
+    rows = await claim_rows(pool, 100)
+    assert len(rows) == 100
+    assert groups(rows) == {(other, "transactional"): 3, (org_id, "transactional"): 97}
+
+
+async def test_one_orgs_transactional_lane_is_claimed_beside_its_bulk_backlog(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    await bulk_queue(pool, org_id, messages=10_000, age=600, lane="bulk")
+    await bulk_queue(pool, org_id, messages=5, lane="transactional")
+    rows = await claim_rows(pool, 50)
+    assert groups(rows) == {(org_id, "transactional"): 5, (org_id, "bulk"): 45}
+
+
+async def test_a_lone_backlog_gets_the_whole_batch(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
+    await bulk_queue(pool, org_id, messages=500, lane="bulk")
+    assert len(await claim_rows(pool, 100)) == 100
+
+
+async def test_lanes_share_the_batch_by_weight_and_orgs_share_a_lane_evenly(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    second = await ensure_org(pool, "second")
+    third = await ensure_org(pool, "third")
+    # transactional (weight 10): two orgs with backlogs; bulk (weight 1): one org's backlog.
+    await bulk_queue(pool, org_id, messages=1000, lane="transactional")
+    await bulk_queue(pool, second, messages=1000, lane="transactional")
+    await bulk_queue(pool, third, messages=1000, lane="bulk")
+    rows = await claim_rows(pool, 110)
+    assert groups(rows) == {
+        (org_id, "transactional"): 50,
+        (second, "transactional"): 50,
+        (third, "bulk"): 10,
+    }
+
+
+async def test_a_lane_the_settings_do_not_name_weighs_one(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    await bulk_queue(pool, org_id, messages=1000, lane="retired")
+    await bulk_queue(pool, org_id, messages=1000, lane="bulk")
+    rows = await claim_rows(pool, 100)
+    assert groups(rows) == {(org_id, "retired"): 50, (org_id, "bulk"): 50}
+
+
+async def test_groups_with_nothing_due_take_no_share(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
+    waiting = await ensure_org(pool, "waiting")
+    await bulk_queue(pool, waiting, messages=1000, due_in=3600)
+    await bulk_queue(pool, org_id, messages=1000, lane="bulk")
+    rows = await claim_rows(pool, 100)
+    assert groups(rows) == {(org_id, "bulk"): 100}
+
+
+async def test_more_groups_than_the_batch_holds_get_one_each_until_all_are_served(
+    pool: asyncpg.Pool,
+) -> None:
+    orgs = [await ensure_org(pool, f"org{i:03d}") for i in range(30)]
+    for i, org in enumerate(orgs):
+        # org000's mail has waited longest, org029's least.
+        await bulk_queue(pool, org, messages=2, age=1000 - i)
+    claims = [await claim_rows(pool, 20) for _ in range(3)]
+    for rows in claims[:2]:
+        assert len(rows) == 20
+        assert len({row.org_id for row in rows}) == 20  # one each: no org takes two places
+    everything = [row.recipient.id for rows in claims for row in rows]
+    assert len(set(everything)) == 60
+
+
+async def test_parallel_fair_claims_never_hand_out_a_row_twice(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    other = await ensure_org(pool, "app")
+    await bulk_queue(pool, org_id, messages=2000, lane="bulk")
+    await bulk_queue(pool, other, messages=500)
+    claimed: list[uuid.UUID] = []
+
+    async def claimer() -> None:
+        while rows := await claim_rows(pool, 37):
+            claimed.extend(row.recipient.id for row in rows)
+
+    await asyncio.gather(*(claimer() for _ in range(6)))
+    assert len(claimed) == 2500
+    assert len(set(claimed)) == 2500
