@@ -51,9 +51,7 @@ def test_a_file_changes_only_the_keys_it_sets_of_a_built_in_lane_and_adds_lanes(
         ),
     ],
 )
-def test_bad_lanes_are_refused_with_the_key_named(
-    tmp_path: Path, text: str, message: str
-) -> None:
+def test_bad_lanes_are_refused_with_the_key_named(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError) as refused:
         load(tmp_path, text)
     assert message in str(refused.value)
