@@ -29,7 +29,7 @@ from pigeon_mta.store import queue as store_queue
 from pigeon_mta.store import upkeep as store_upkeep
 from pigeon_mta.store.bounces import ReportedRecipient
 from pigeon_mta.store.executor import Executor, transaction
-from pigeon_mta.store.upkeep import ExpiredRecipient
+from pigeon_mta.store.upkeep import ExpiredRecipient, LaneMaxAge
 
 # Four bytes beyond the header limit: room for the empty line that ends a header section that size.
 _HEAD_BYTES = MAX_ORIGINAL_HEADER_BYTES + 4
@@ -67,12 +67,18 @@ async def expire_and_bounce(
     max_age: float,
     max_age_text: str,
     hostname: str,
+    lane_max_ages: Sequence[LaneMaxAge] = (),
     limit: int = 1000,
 ) -> Expired:
-    """Expire due recipients older than max_age and queue their DSNs (Status 4.4.7), atomically."""
+    """Expire due recipients older than max_age (or their lane's, `lane_max_ages`) and queue
+    their DSNs (Status 4.4.7), atomically."""
     async with transaction(db) as conn:
         expired = await store_upkeep.expire_old_recipients(
-            conn, max_age=max_age, max_age_text=max_age_text, limit=limit
+            conn,
+            max_age=max_age,
+            max_age_text=max_age_text,
+            lane_max_ages=lane_max_ages,
+            limit=limit,
         )
         bounces = await queue_bounces(conn, [e.recipient_id for e in expired], hostname=hostname)
     return Expired(recipients=expired, bounces=bounces)

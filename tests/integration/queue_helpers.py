@@ -32,24 +32,25 @@ async def bulk_queue(
     due_in: float = 0.0,
     age: float = 0.0,
     domain: str = "example.net",
+    lane: str = "transactional",
 ) -> None:
     """`messages` messages with `recipients_per_message` recipients each, all in one statement."""
     await db.execute(
         """
         WITH m AS (
-            INSERT INTO message (id, org_id, sender, size, body, listener, received_at)
+            INSERT INTO message (id, org_id, sender, size, body, listener, received_at, lane)
             SELECT gen_random_uuid(), $1, 'sender@example.com', 20, 'Subject: t\r\n\r\nbody\r\n',
-                   'test', now() - make_interval(secs => $5)
+                   'test', now() - make_interval(secs => $5), $8
             FROM generate_series(1, $2)
             RETURNING id, received_at
         )
         INSERT INTO recipient (id, message_id, org_id, address, domain, status, created_at,
-                               next_attempt_at, lease_until, lease_owner)
+                               next_attempt_at, lease_until, lease_owner, lane)
         SELECT gen_random_uuid(), m.id, $1, 'rcpt' || n || '.' || left(m.id::text, 8) || '@' || $6,
                $6, $3, m.received_at, now() + make_interval(secs => $4),
                -- a row in flight holds a lease, as a claim leaves it
                CASE WHEN $3 = 'delivering' THEN now() + interval '5 minutes' END,
-               CASE WHEN $3 = 'delivering' THEN 'bulk-test' END
+               CASE WHEN $3 = 'delivering' THEN 'bulk-test' END, $8
         FROM m, generate_series(1, $7) AS n
         """,
         org_id,
@@ -59,6 +60,7 @@ async def bulk_queue(
         age,
         domain,
         recipients_per_message,
+        lane,
     )
 
 
