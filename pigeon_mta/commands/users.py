@@ -153,7 +153,7 @@ async def cmd_list(args: argparse.Namespace) -> int:
     print_rows(
         args,
         [vars(u) for u in users],
-        ["username", "org", "lane", "disabled", "created_at", "disabled_at"],
+        ["username", "org", "disabled", "created_at", "disabled_at", "lane"],
     )
     return 0
 
