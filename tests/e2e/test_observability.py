@@ -179,7 +179,11 @@ def test_one_process_metrics_health_queue_gauges_and_expiry(
 
     def queue_published() -> Samples | None:
         got = samples(scrape(port))
-        return got if value(got, "pigeon_queue_recipients", status="deferred", lane=LANE) == 3 else None
+        return (
+            got
+            if value(got, "pigeon_queue_recipients", status="deferred", lane=LANE) == 3
+            else None
+        )
 
     got = eventually(queue_published, "queue gauges")
     # 5 seeded due recipients, plus the 4 bounces (one per expired message) that expiry queued
