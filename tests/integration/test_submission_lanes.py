@@ -18,7 +18,10 @@ import pytest
 from prometheus_client import REGISTRY
 
 from pigeon_mta.config import LaneSettings, Settings, default_lanes
+from pigeon_mta.ids import new_id
+from pigeon_mta.model import Envelope
 from pigeon_mta.store import credentials as store_credentials
+from pigeon_mta.store.duplicates import enqueue_submitted
 from tests.integration.outbound_helpers import running_engine, wait_final
 from tests.integration.submission_helpers import (
     add_user,
@@ -187,3 +190,33 @@ async def test_a_user_lane_set_later_holds_from_the_next_auth(
         second = await asyncio.to_thread(send, port, data, login=login)
     assert (await lanes_of(pool, queue_id_of(first[1])))[0] == "transactional"
     assert (await lanes_of(pool, queue_id_of(second[1])))[0] == "bulk"
+
+
+async def test_every_enqueue_statement_stores_the_lane(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """One message and a group commit's batch, with and without the duplicate check."""
+
+    def envelope(lane: str, message_id: str | None) -> Envelope:
+        return Envelope(
+            org_id=org_id,
+            sender=SENDER,
+            recipients=("a@plain.test", "b@plain.test"),
+            body=message(SENDER, "a@plain.test"),
+            listener="test",
+            header_message_id=message_id,
+            duplicate_window=3600.0 if message_id else 0.0,
+            lane=lane,
+        )
+
+    cases = {
+        "one": [envelope("bulk", None)],
+        "one, checked for duplicates": [envelope("notify", "one@acme.example")],
+        "batch": [envelope("bulk", None), envelope("notify", None)],
+        "batch, checked": [envelope("notify", "b1@acme.example"), envelope("bulk", None)],
+    }
+    for name, envelopes in cases.items():
+        batch = [(new_id(), e) for e in envelopes]
+        assert await enqueue_submitted(pool, batch) == {}, name
+        for queue_id, e in batch:
+            assert await lanes_of(pool, queue_id) == (e.lane, {e.lane}), name
