@@ -37,8 +37,8 @@ QUEUE_STATUSES = ("queued", "deferred", "delivering")
 class QueueGauges:
     """Sets the queue gauges from the stats query (the supervisor's `Maintenance.on_stats` hook).
 
-    Every configured lane has its series from the start (0 while it has no mail), so that a
-    dashboard shows 0 rather than "no data"; a lane the settings dropped has series while queued
+    Every configured lane has its series from the first round (0 while it has no mail), so that
+    a dashboard shows 0 rather than "no data"; a lane the settings dropped has series once queued
     mail carries it, and 0 once it has none.
     """
 

@@ -155,9 +155,11 @@ class QueueStats:
     lanes: tuple[LaneStats, ...] = ()  # the lanes that have live rows, by name
 
 
-# Only the live part of the table is read (the partial indexes of queued and of leased rows), so
-# the cost follows the queue depth, not the history. One pass over the queued rows gives every
-# figure of each lane; lease_until is set exactly while status = 'delivering' (migration 0006).
+# Only the live part of the table is read (the queued rows and the leased ones, through their
+# partial indexes), so the cost follows the queue depth, not the history. One pass over the queued
+# rows gives every figure of each lane; it reads each row, where counting index entries alone
+# could not tell the lanes apart (about twice the time, bench/README.md "Metrics endpoint").
+# lease_until is set exactly while status = 'delivering' (migration 0006).
 _STATS = """
 SELECT lane, sum(queued)::bigint AS queued, sum(due)::bigint AS due,
        sum(deferred)::bigint AS deferred, sum(delivering)::bigint AS delivering,
