@@ -10,6 +10,7 @@ import secrets
 import string
 import unicodedata
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -239,6 +240,17 @@ async def set_lane(db: Executor, username: str, lane: str | None) -> Credential 
     """Set the lane of the mail a user sends (None: the listener's); None when there is no such
     user. It holds from the user's next AUTH."""
     return await _update(db, username, "lane = $2", lane)
+
+
+async def users_outside_lanes(db: Executor, lanes: Iterable[str]) -> dict[str, list[str]]:
+    """The users whose lane is none of `lanes` (the settings changed after `user set`), by lane."""
+    rows = await db.fetch(
+        """SELECT lane, array_agg(username ORDER BY username) AS users FROM credential
+           WHERE lane IS NOT NULL AND lane <> ALL ($1::text[])
+           GROUP BY lane ORDER BY lane""",
+        sorted(lanes),
+    )
+    return {r["lane"]: list(r["users"]) for r in rows}
 
 
 async def _update(

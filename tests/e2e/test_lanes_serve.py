@@ -1,4 +1,5 @@
-"""Lanes in the running node: the queue gauges per lane, and a lane's own max_age at expiry.
+"""Lanes in the running node: the queue gauges per lane, a lane's own max_age at expiry, and the
+warning at start about users whose lane the settings dropped.
 
 HTTP client ──► 127.0.0.1:free port (/metrics) ── pigeon-mta serve (delivery off) ── PostgreSQL
                                                    └─ its sweeper expires what is too old
@@ -42,6 +43,7 @@ def seed(db_url: str) -> None:
     async def run() -> None:
         conn = await asyncpg.connect(db_url)
         try:
+            from pigeon_mta.store.credentials import add_credential
             from pigeon_mta.store.orgs import ensure_org
 
             org = await ensure_org(conn, "acme")
@@ -52,19 +54,26 @@ def seed(db_url: str) -> None:
             await bulk_queue(conn, org, messages=1, due_in=-60, age=1800, domain="app.example")
             await bulk_queue(conn, org, messages=1, due_in=600, domain="later.example")
             await conn.execute("UPDATE recipient SET attempts = 1 WHERE domain = 'later.example'")
+            # A user whose lane the settings no longer have (set before they changed).
+            await add_credential(conn, org, "old-campaigns", "x", lane="retired")
         finally:
             await conn.close()
 
     asyncio.run(run())
 
 
-def test_gauges_per_lane_and_the_lane_max_age(tmp_path: Path, db_url: str) -> None:
+def test_gauges_per_lane_the_lane_max_age_and_users_outside_the_lanes(
+    tmp_path: Path, db_url: str
+) -> None:
     seed(db_url)
     port = free_port()
     config = observe_config(tmp_path, db_url, port, extra=LANES)
     serve = ServeProcess("--config", str(config), "--processes", "1")
     try:
         serve.wait_for(f"metrics and health on http://127.0.0.1:{port}")
+        serve.wait_for(
+            "user(s) old-campaigns have the lane 'retired', which is not a lane of [lanes]"
+        )
 
         def expired_and_published() -> Samples | None:
             got = samples(scrape(port))
