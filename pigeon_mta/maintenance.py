@@ -115,6 +115,7 @@ class Maintenance:
                 after=warn_after,
                 max_age=self.settings.delivery.max_age,
                 hostname=self.settings.server.hostname,
+                lane_max_ages=lane_max_ages(self.settings),
             )
             if warned.recipients:
                 log.info(
