@@ -20,6 +20,7 @@ from pigeon_mta.observability.exposition import MetricsExposition, MultiprocessS
 from pigeon_mta.observability.health import Readiness
 from pigeon_mta.observability.http import ObservabilityServer
 from pigeon_mta.store import connect as store_connect
+from pigeon_mta.store import credentials as store_credentials
 from pigeon_mta.store import leases as store_leases
 from pigeon_mta.store import migrate as store_migrate
 from pigeon_mta.store import orgs as store_orgs
@@ -39,6 +40,7 @@ async def prepare_database(
         if applied:
             log.info("schema migrated: %s", ", ".join(f"{m.version:04d}_{m.name}" for m in applied))
         await store_orgs.ensure_org(conn, settings.relay.trusted_org)
+        await warn_users_outside_lanes(conn, settings)
         await node.take_node_name(conn, run, lock)
         freed = await store_leases.free_leases_of_gone_runs(
             conn, node_name=run.name, stale_after=node.STALE_AFTER
@@ -51,6 +53,19 @@ async def prepare_database(
             )
     finally:
         await conn.close()
+
+
+async def warn_users_outside_lanes(conn: asyncpg.Connection, settings: Settings) -> None:
+    """Users whose lane the settings no longer have: their mail goes to the listener's lane
+    (submission/lanes.py); said once at start, so that the operator need not wait for it."""
+    for lane, users in (await store_credentials.users_outside_lanes(conn, settings.lanes)).items():
+        shown = ", ".join(users[:10]) + (f" and {len(users) - 10} more" if len(users) > 10 else "")
+        log.warning(
+            "user(s) %s have the lane '%s', which is not a lane of [lanes]: their mail goes to "
+            "the listener's lane or 'transactional' (pigeon-mta user set USER --lane NAME)",
+            shown,
+            lane,
+        )
 
 
 @dataclass

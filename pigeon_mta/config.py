@@ -440,3 +440,11 @@ class Settings:
     lanes: dict[str, LaneSettings] = field(default_factory=default_lanes)
     # Where the settings came from, for messages ("built-in defaults" or a path).
     source: str = "built-in defaults"
+
+    def max_age_of(self, lane: str) -> float:
+        """Seconds a recipient of `lane` is retried before it expires: the lane's max_age, else
+        delivery.max_age (also for a lane the settings do not have)."""
+        settings = self.lanes.get(lane)
+        if settings is not None and settings.max_age > 0:
+            return float(settings.max_age)
+        return float(self.delivery.max_age)

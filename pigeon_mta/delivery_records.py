@@ -123,7 +123,11 @@ def reception_records(
             tls_version=envelope.tls_version,
             tls_cipher=envelope.tls_cipher,
             extra=_reception_extra(
-                envelope.listener, envelope.client_helo, envelope.auth_user, len(envelope.body)
+                envelope.listener,
+                envelope.client_helo,
+                envelope.auth_user,
+                len(envelope.body),
+                envelope.lane,
             ),
         )
         for recipient in envelope.recipients
@@ -131,9 +135,17 @@ def reception_records(
 
 
 def _reception_extra(
-    listener: str, helo: str | None, auth_user: str | None, size: int
+    listener: str, helo: str | None, auth_user: str | None, size: int, lane: str | None = None
 ) -> dict[str, Any]:
-    return {"listener": listener, "helo": helo, "auth_user": auth_user, "size": size}
+    """`lane`: the lane the message is delivered in (None for a Duplicate, which queued
+    nothing)."""
+    return {
+        "listener": listener,
+        "helo": helo,
+        "auth_user": auth_user,
+        "size": size,
+        "lane": lane,
+    }
 
 
 def duplicate_record(d: DuplicateRecord) -> Record:
@@ -210,6 +222,7 @@ def attempt_records(delivery: Delivery, results: Iterable[AttemptResult]) -> lis
                 result.next_attempt_at if result.outcome == Outcome.DEFERRED else None,
                 result.category,
                 result.dkim,
+                delivery.lane,
             ),
         )
         for result in results
@@ -222,15 +235,17 @@ def _attempt_extra(
     next_attempt_at: datetime | None,
     category: str | None,
     dkim: str | None,
+    lane: str,
 ) -> dict[str, Any]:
     """`dkim`: "signed d=DOMAIN s=SELECTOR" or "unsigned: REASON" for an attempt that sent the
-    message (signer.py), left out otherwise."""
+    message (signer.py), left out otherwise. `lane`: the message's lane."""
     return {
         "port": port,
         "duration": round(duration, 6),
         "next_attempt_at": next_attempt_at,
         "category": category,
         "dkim": dkim,
+        "lane": lane,
     }
 
 
@@ -253,7 +268,7 @@ def story_records(story: MessageStory) -> list[Record]:
             response=queued_reply(m.id),
             tls_version=m.tls_version,
             tls_cipher=m.tls_cipher,
-            extra=_reception_extra(m.listener, m.client_helo, m.auth_user, m.size),
+            extra=_reception_extra(m.listener, m.client_helo, m.auth_user, m.size, m.lane),
         )
         for r in story.recipients
     ]
@@ -292,6 +307,7 @@ def _stored_attempt_record(story: MessageStory, a: AttemptRecord, address: str) 
                 a.next_attempt_at if a.outcome == Outcome.DEFERRED else None,
                 a.category,
                 a.dkim,
+                m.lane,
             ),
             # What the failure caused, known once its transaction committed: only in records
             # rebuilt from the database (`pigeon-mta log`).

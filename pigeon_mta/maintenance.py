@@ -86,10 +86,15 @@ class Maintenance:
                 max_age=self.settings.delivery.max_age,
                 max_age_text=format_duration(self.settings.delivery.max_age),
                 hostname=self.settings.server.hostname,
+                lane_max_ages=lane_max_ages(self.settings),
             )
         ).recipients
         if expired:
-            log.warning("expiry: %d recipient(s) passed delivery.max_age and expired", len(expired))
+            log.warning(
+                "expiry: %d recipient(s) passed delivery.max_age (or their lane's max_age) and "
+                "expired",
+                len(expired),
+            )
             if self.on_expired is not None:
                 self._unlogged.extend(expired)
                 if len(self._unlogged) > MAX_UNLOGGED_EXPIRIES:
@@ -110,6 +115,7 @@ class Maintenance:
                 after=warn_after,
                 max_age=self.settings.delivery.max_age,
                 hostname=self.settings.server.hostname,
+                lane_max_ages=lane_max_ages(self.settings),
             )
             if warned.recipients:
                 log.info(
@@ -130,6 +136,15 @@ class Maintenance:
                 )
         # Duplicate-window entries whose window ended; duplicate receptions with their messages.
         await store_duplicates.prune(self.pool, keep_records=keep)
+
+
+def lane_max_ages(settings: Settings) -> list[store_upkeep.LaneMaxAge]:
+    """The lanes whose own max_age replaces delivery.max_age (those that set one)."""
+    return [
+        store_upkeep.LaneMaxAge(name, float(lane.max_age), format_duration(lane.max_age))
+        for name, lane in sorted(settings.lanes.items())
+        if lane.max_age > 0
+    ]
 
 
 def format_duration(seconds: float) -> str:

@@ -25,15 +25,18 @@ DUPLICATE_RECIPIENTS = Counter(
 )
 
 # ---------------------------------------------------------------- queue (set by the stats query)
+# `lane` is a lane of [lanes], or one that queued mail still carries after the settings dropped
+# it: a bounded set the operator chooses.
 QUEUE_RECIPIENTS = Gauge(
     "pigeon_queue_recipients",
-    "Recipients in the queue by status",
-    ["status"],
+    "Recipients in the queue by status and lane",
+    ["status", "lane"],
     multiprocess_mode="mostrecent",
 )
 QUEUE_OLDEST_AGE = Gauge(
     "pigeon_queue_oldest_age_seconds",
-    "How long the longest-waiting due recipient has waited",
+    "How long the longest-waiting due recipient of the lane has waited",
+    ["lane"],
     multiprocess_mode="mostrecent",
 )
 

@@ -78,6 +78,9 @@ class Envelope:
     # again (limits.duplicate_window); 0 for a Message-ID the client did not supply. Only
     # store.duplicates.enqueue_submitted, the submission path's commit, honours it.
     duplicate_window: float = 0.0
+    # The lane it is delivered in ([lanes] in the settings), chosen at reception
+    # (submission/lanes.py); stored on the message and on each of its recipients.
+    lane: str = "transactional"
 
 
 def storable_text(text: str | None) -> str | None:

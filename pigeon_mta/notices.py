@@ -29,7 +29,7 @@ from pigeon_mta.store import queue as store_queue
 from pigeon_mta.store import upkeep as store_upkeep
 from pigeon_mta.store.bounces import ReportedRecipient
 from pigeon_mta.store.executor import Executor, transaction
-from pigeon_mta.store.upkeep import ExpiredRecipient
+from pigeon_mta.store.upkeep import ExpiredRecipient, LaneMaxAge
 
 # Four bytes beyond the header limit: room for the empty line that ends a header section that size.
 _HEAD_BYTES = MAX_ORIGINAL_HEADER_BYTES + 4
@@ -67,12 +67,18 @@ async def expire_and_bounce(
     max_age: float,
     max_age_text: str,
     hostname: str,
+    lane_max_ages: Sequence[LaneMaxAge] = (),
     limit: int = 1000,
 ) -> Expired:
-    """Expire due recipients older than max_age and queue their DSNs (Status 4.4.7), atomically."""
+    """Expire due recipients older than max_age (or their lane's, `lane_max_ages`) and queue
+    their DSNs (Status 4.4.7), atomically."""
     async with transaction(db) as conn:
         expired = await store_upkeep.expire_old_recipients(
-            conn, max_age=max_age, max_age_text=max_age_text, limit=limit
+            conn,
+            max_age=max_age,
+            max_age_text=max_age_text,
+            lane_max_ages=lane_max_ages,
+            limit=limit,
         )
         bounces = await queue_bounces(conn, [e.recipient_id for e in expired], hostname=hostname)
     return Expired(recipients=expired, bounces=bounces)
@@ -90,14 +96,17 @@ async def warn_delayed(
     after: float,
     max_age: float,
     hostname: str,
+    lane_max_ages: Sequence[LaneMaxAge] = (),
     limit: int = 1000,
 ) -> Warned:
     """Tell the senders of recipients still being retried `after` seconds after they were queued
     (one DSN with Action: delayed per message and round, RFC 3464), once per recipient: the mark
     and the DSNs commit together. A recipient being delivered when its message's others are
     warned is warned at a later round if it is deferred again, in a DSN of its own. The DSN says
-    until when delivery will be tried: the earliest expiry (created_at + max_age) among those it
-    names, so that it promises no try that will not happen."""
+    until when delivery will be tried: the earliest expiry (created_at + max_age, or the lane's
+    max_age of `lane_max_ages`) among those it names, so that it promises no try that will not
+    happen."""
+    own = {lane.lane: lane.max_age for lane in lane_max_ages}
     async with transaction(db) as conn:
         marked = await store_bounces.mark_delayed(conn, after=after, limit=limit)
         if not marked:
@@ -109,7 +118,9 @@ async def warn_delayed(
                 original,
                 [_report(r) for r in recipients],
                 hostname=hostname,
-                retry_until=min(r.created_at for r in recipients) + timedelta(seconds=max_age),
+                retry_until=min(
+                    r.created_at + timedelta(seconds=own.get(r.lane, max_age)) for r in recipients
+                ),
             )
             if envelope is not None:
                 dsns.append((new_id(), envelope))

@@ -25,7 +25,7 @@ from pigeon_mta.config import Settings
 from pigeon_mta.logs import configured_level, setup_logging
 from pigeon_mta.maintenance import Maintenance, log_expiries
 from pigeon_mta.observability.exposition import MetricsExposition
-from pigeon_mta.observability.health import publish_queue_stats
+from pigeon_mta.observability.health import QueueGauges
 from pigeon_mta.store import connect as store_connect
 
 log = logging.getLogger("pigeon_mta.serve")
@@ -86,7 +86,7 @@ class Supervisor:
             maintenance = Maintenance(
                 settings,
                 parts.pool,
-                on_stats=publish_queue_stats,
+                on_stats=QueueGauges(settings.lanes),
                 on_expired=lambda expired: log_expiries(parts.pool, parts.delivery_log, expired),
             )
             tasks = [asyncio.create_task(maintenance.run(stop), name="maintenance")]

@@ -95,6 +95,7 @@ def _reception(story: MessageStory) -> str:
         parts.append(f"from {m.client_ip}" + (f" (HELO {m.client_helo})" if m.client_helo else ""))
     parts.append(f"authenticated as {m.auth_user}" if m.auth_user else "without AUTH")
     parts.append(f"{m.size} bytes")
+    parts.append(f"lane={m.lane}")
     return ", ".join(parts)
 
 

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 from pigeon_mta.commands.common import (
@@ -89,6 +90,7 @@ def _add_filters(
     )
     p.add_argument("--domain", metavar="D", help="recipient domain")
     p.add_argument("--org", metavar="O", help="only this org")
+    p.add_argument("--lane", metavar="NAME", help="only this lane")
     p.add_argument("--older-than", metavar="DUR", help="queued longer ago than DUR (e.g. 2h)")
 
 
@@ -108,6 +110,7 @@ async def _selection(conn: Any, args: argparse.Namespace, ids: tuple[uuid.UUID, 
         org_id=await org_named(conn, args.org) if args.org else None,
         older_than=older_than,
         ids=ids,
+        lane=args.lane,
     )
 
 
@@ -131,10 +134,11 @@ def _is_uuid(value: str) -> bool:
 
 
 async def cmd_summary(args: argparse.Namespace) -> int:
-    async with open_database(args) as (_settings, conn):
+    async with open_database(args) as (settings, conn):
         summary = await admin_queue.queue_summary(conn, top=args.top, exact=args.exact)
+    lanes = lane_rows(summary, settings.lanes)
     if args.json:
-        print(json.dumps(jsonable(summary_object(summary)), indent=2))
+        print(json.dumps(jsonable({**summary_object(summary), "lanes": lanes}), indent=2))
         return 0
     print_rows(args, summary_rows(summary), ["status", "recipients"])
     print()
@@ -144,6 +148,12 @@ async def cmd_summary(args: argparse.Namespace) -> int:
         print("nothing is due")
     if summary.estimated:
         print("(~ marks estimates from table statistics; --exact counts them)")
+    print()
+    print_rows(
+        args,
+        [{**lane, "oldest_due": format_age(lane["oldest_due_age_seconds"])} for lane in lanes],
+        ["lane", "queued", "due", "deferred", "delivering", "oldest_due"],
+    )
     print()
     print_rows(
         args,
@@ -172,6 +182,24 @@ def summary_rows(summary: admin_queue.QueueSummary) -> list[dict[str, Any]]:
     return rows
 
 
+def lane_rows(summary: admin_queue.QueueSummary, configured: Iterable[str]) -> list[dict[str, Any]]:
+    """The live queue of each lane: the configured lanes (with no mail, zeros) and any lane that
+    queued mail still carries after the settings dropped it. "queued" counts the deferred too."""
+    by_lane = {lane.lane: lane for lane in summary.lanes}
+    return [
+        {
+            "lane": name,
+            "queued": lane.queued if lane else 0,
+            "due": lane.due if lane else 0,
+            "deferred": lane.deferred if lane else 0,
+            "delivering": lane.delivering if lane else 0,
+            "oldest_due_age_seconds": round(lane.oldest_due_age, 3) if lane else 0.0,
+        }
+        for name in sorted({*configured, *by_lane})
+        for lane in [by_lane.get(name)]
+    ]
+
+
 def summary_object(summary: admin_queue.QueueSummary) -> dict[str, Any]:
     return {
         "counts": summary.counts,
@@ -196,7 +224,16 @@ def summary_object(summary: admin_queue.QueueSummary) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- list / show
 
-LIST_COLUMNS = ["id", "queue_id", "status", "attempts", "next_attempt_at", "address", "last_reply"]
+LIST_COLUMNS = [
+    "id",
+    "queue_id",
+    "status",
+    "lane",
+    "attempts",
+    "next_attempt_at",
+    "address",
+    "last_reply",
+]
 
 
 async def cmd_list(args: argparse.Namespace) -> int:
@@ -265,11 +302,11 @@ async def cmd_show(args: argparse.Namespace) -> int:
 
 async def cmd_action(args: argparse.Namespace) -> int:
     ids = _ids(args.ids)
-    filtered = args.status or args.domain or args.org or args.older_than
+    filtered = args.status or args.domain or args.org or args.lane or args.older_than
     if not (ids or filtered or args.all):
         raise CliError(
             f"say which recipients to {args.action}: queue or recipient ids, a filter "
-            "(--status, --domain, --org, --older-than), or --all"
+            "(--status, --domain, --org, --lane, --older-than), or --all"
         )
     statuses = args.status
     if not statuses and not ids and args.action == "retry":

@@ -12,11 +12,12 @@ from pigeon_mta.commands.common import (
     CliError,
     add_common,
     eprint,
+    format_age,
     open_database,
     print_object,
     settings_from,
 )
-from pigeon_mta.config import Settings
+from pigeon_mta.config import ListenerSettings, Settings
 from pigeon_mta.config_loader import load_settings
 from pigeon_mta.redaction import redact
 
@@ -82,14 +83,33 @@ async def cmd_check_config(args: argparse.Namespace) -> int:
         "config": settings.source,
         "status": "ok",
         "hostname": settings.server.hostname,
-        "listeners": ", ".join(f"{lsn.name}={lsn.address}/{lsn.mode}" for lsn in settings.listener),
+        "listeners": ", ".join(_listener_text(lsn) for lsn in settings.listener),
         "database": _database_text(settings),
         "delivery": routing_summary(settings),
+        "lanes": _lanes_text(settings),
     }
     if args.json:
         summary["warnings"] = warnings
     print_object(args, summary)
     return 0
+
+
+def _listener_text(listener: ListenerSettings) -> str:
+    lane = f" (lane {listener.lane})" if listener.lane else ""
+    return f"{listener.name}={listener.address}/{listener.mode}{lane}"
+
+
+def _lanes_text(settings: Settings) -> str:
+    """Each lane with its weight, and its rate and max_age when it sets them."""
+    lanes = []
+    for name, lane in sorted(settings.lanes.items()):
+        parts = [f"weight {lane.weight:g}"]
+        if lane.rate:
+            parts.append(f"rate {lane.rate:g}/s")
+        if lane.max_age:
+            parts.append(f"max_age {format_age(lane.max_age)}")
+        lanes.append(f"{name} ({', '.join(parts)})")
+    return ", ".join(lanes)
 
 
 def _database_text(settings: Settings) -> str:

@@ -1,6 +1,7 @@
-"""`user add|list|passwd|disable|enable|delete`: SMTP AUTH users.
+"""`user add|list|set|passwd|disable|enable|delete`: SMTP AUTH users.
 
 The username rule (which characters, which names count as the same) is in store/credentials.py.
+A user's lane is the lane of the mail it sends unless a message names one (submission/lanes.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 from typing import Any
 
 from pigeon_mta.commands.common import CliError, add_common, open_database, print_object, print_rows
+from pigeon_mta.config import Settings
 from pigeon_mta.store import credentials as store_credentials
 from pigeon_mta.store import orgs as store_orgs
 
@@ -28,10 +30,24 @@ def register(sub: Any) -> None:
     p.add_argument("org")
     p.add_argument("username")
     _add_password_stdin(p)
+    p.add_argument(
+        "--lane", metavar="NAME", help="the lane of its mail (default: the listener's lane)"
+    )
     p.set_defaults(handler=cmd_add)
     p = user.add_parser("list", help="list users")
     add_common(p)
     p.set_defaults(handler=cmd_list)
+    p = user.add_parser("set", help="change a user's settings: its lane")
+    add_common(p)
+    p.add_argument("username")
+    lane = p.add_mutually_exclusive_group(required=True)
+    lane.add_argument("--lane", metavar="NAME", help="the lane of its mail from its next AUTH")
+    lane.add_argument(
+        "--no-lane",
+        action="store_true",
+        help="no lane of its own: its mail goes to the listener's lane",
+    )
+    p.set_defaults(handler=cmd_set)
     p = user.add_parser(
         "passwd", help="set a user's password (generated and printed once unless --password-stdin)"
     )
@@ -63,6 +79,17 @@ def _check_username(username: str) -> None:
     problem = store_credentials.username_problem(username)
     if problem:
         raise CliError(problem)
+
+
+def _checked_lane(settings: Settings, lane: str) -> str:
+    """`lane` if it is one of the settings' lanes, else a CliError naming them."""
+    if lane not in settings.lanes:
+        known = ", ".join(sorted(settings.lanes))
+        raise CliError(
+            f"there is no lane '{lane}' in the settings (lanes: {known}); declare it under "
+            f"[lanes.{lane}] in the config file"
+        )
+    return lane
 
 
 def _read_password() -> str:
@@ -102,7 +129,8 @@ def _show_password(args: argparse.Namespace, shown: dict[str, Any], password: st
 async def cmd_add(args: argparse.Namespace) -> int:
     _check_username(args.username)
     password, password_hash = await _new_password(args)
-    async with open_database(args) as (_settings, conn):
+    async with open_database(args) as (settings, conn):
+        lane = _checked_lane(settings, args.lane) if args.lane is not None else None
         org = await store_orgs.find_org(conn, args.org)
         if org is None:
             raise CliError(
@@ -110,11 +138,12 @@ async def cmd_add(args: argparse.Namespace) -> int:
             )
         try:
             user = await store_credentials.add_credential(
-                conn, org.id, args.username, password_hash
+                conn, org.id, args.username, password_hash, lane=lane
             )
         except store_credentials.CredentialExists as exc:
             raise CliError(str(exc)) from None
-    _show_password(args, {"username": user.username, "org": user.org, "id": user.id}, password)
+    shown = {"username": user.username, "org": user.org, "id": user.id, "lane": user.lane}
+    _show_password(args, shown, password)
     return 0
 
 
@@ -122,8 +151,20 @@ async def cmd_list(args: argparse.Namespace) -> int:
     async with open_database(args) as (_settings, conn):
         users = await store_credentials.list_credentials(conn)
     print_rows(
-        args, [vars(u) for u in users], ["username", "org", "disabled", "created_at", "disabled_at"]
+        args,
+        [vars(u) for u in users],
+        ["username", "org", "disabled", "created_at", "disabled_at", "lane"],
     )
+    return 0
+
+
+async def cmd_set(args: argparse.Namespace) -> int:
+    async with open_database(args) as (settings, conn):
+        lane = None if args.no_lane else _checked_lane(settings, args.lane)
+        user = await store_credentials.set_lane(conn, args.username, lane)
+    if user is None:
+        raise CliError(f"there is no user '{args.username}'")
+    print_object(args, {"username": user.username, "org": user.org, "lane": user.lane})
     return 0
 
 

@@ -13,7 +13,7 @@ listener is up.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import asyncpg
@@ -28,18 +28,35 @@ _LISTENERS_BOUND = family_name(metrics.LISTENERS_BOUND)
 _WORKERS_READY = family_name(metrics.WORKERS_READY)
 
 
-def publish_queue_stats(stats: QueueStats) -> None:
-    """Set the queue gauges (the supervisor's `Maintenance.on_stats` hook).
+# The live-queue statuses of pigeon_queue_recipients: "queued" (not tried yet), "deferred"
+# (waiting to be tried again after a failed attempt), "delivering" (claimed, under a lease). Final
+# states are history, counted by `pigeon_deliveries_total`, not queue depth.
+QUEUE_STATUSES = ("queued", "deferred", "delivering")
 
-    `status` partitions the live queue: "queued" (not tried yet), "deferred" (waiting to be
-    tried again after a failed attempt), "delivering" (claimed, under a lease). Final states are
-    history, counted by `pigeon_deliveries_total`, not queue depth.
+
+class QueueGauges:
+    """Sets the queue gauges from the stats query (the supervisor's `Maintenance.on_stats` hook).
+
+    Every configured lane has its series from the first round (0 while it has no mail), so that
+    a dashboard shows 0 rather than "no data"; a lane the settings dropped has series once queued
+    mail carries it, and 0 once it has none.
     """
-    metrics.QUEUE_RECIPIENTS.labels(status="queued").set(stats.queued - stats.deferred)
-    metrics.QUEUE_RECIPIENTS.labels(status="deferred").set(stats.deferred)
-    metrics.QUEUE_RECIPIENTS.labels(status="delivering").set(stats.delivering)
-    metrics.QUEUE_DUE_RECIPIENTS.set(stats.due)
-    metrics.QUEUE_OLDEST_AGE.set(stats.oldest_due_age)
+
+    def __init__(self, lanes: Iterable[str]) -> None:
+        self._lanes = set(lanes)
+
+    def __call__(self, stats: QueueStats) -> None:
+        by_lane = {lane.lane: lane for lane in stats.lanes}
+        self._lanes.update(by_lane)
+        for name in sorted(self._lanes):
+            lane = by_lane.get(name)
+            counts = (
+                (lane.queued - lane.deferred, lane.deferred, lane.delivering) if lane else (0, 0, 0)
+            )
+            for status, count in zip(QUEUE_STATUSES, counts, strict=True):
+                metrics.QUEUE_RECIPIENTS.labels(status=status, lane=name).set(count)
+            metrics.QUEUE_OLDEST_AGE.labels(lane=name).set(lane.oldest_due_age if lane else 0.0)
+        metrics.QUEUE_DUE_RECIPIENTS.set(stats.due)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ class Courier:
         on_data_sent: Callable[[Iterable[uuid.UUID]], None],
     ) -> None:
         self.delivery = settings.delivery
+        self.max_age_of = settings.max_age_of
         self.sign = sign
         self.router = router
         self.rng = rng
@@ -181,6 +182,7 @@ class Courier:
             settings=self.delivery,
             rng=self.rng,
             dkim=dkim,
+            max_age=self.max_age_of(delivery.lane),
         )
         for result in judged:
             if result.outcome == Outcome.DELIVERED:

@@ -44,10 +44,12 @@ def judge(
     settings: DeliverySettings,
     rng: random.Random,
     dkim: str | None = None,
+    max_age: float | None = None,
 ) -> list[AttemptResult]:
     """Each recipient's result -> an AttemptResult: outcome, next try, or expiry. `dkim` says
-    how the message that was sent was signed (None when it was not sent)."""
-    max_age = timedelta(seconds=settings.max_age)
+    how the message that was sent was signed (None when it was not sent). `max_age`: the
+    delivery's lane's (Settings.max_age_of), else settings.max_age."""
+    age_limit = timedelta(seconds=settings.max_age if max_age is None else max_age)
     out: list[AttemptResult] = []
     for item in results:
         verdict = classify(item.result, item.stage)
@@ -59,7 +61,7 @@ def judge(
                 item.recipient.attempts, settings.retry_initial, settings.retry_max, rng
             )
             next_at = now + timedelta(seconds=delay)
-            if next_at > item.recipient.queued_at + max_age:
+            if next_at > item.recipient.queued_at + age_limit:
                 # The next try would come after max_age: give up now, with this reply.
                 outcome, rule, next_at = Outcome.EXPIRED, f"{rule}; max-age", None
         category = None

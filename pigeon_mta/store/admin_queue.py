@@ -19,6 +19,7 @@ import asyncpg
 from pigeon_mta.model import Status
 from pigeon_mta.store.executor import Executor
 from pigeon_mta.store.queue import NOTIFY_CHANNEL
+from pigeon_mta.store.upkeep import LaneStats, queue_stats
 
 # "deferred" is not a status column value: it is a queued row that was attempted before.
 DEFERRED = "deferred"
@@ -51,6 +52,7 @@ class Selection:
     org_id: uuid.UUID | None = None
     older_than: float | None = None  # seconds since the recipient was queued
     ids: tuple[uuid.UUID, ...] = ()  # message (queue) ids or recipient ids
+    lane: str | None = None
 
     def where(self, params: list[Any], *, statuses: Sequence[str] | None = None) -> str:
         """The SQL condition on `recipient r`; appends its parameters to `params`."""
@@ -72,6 +74,8 @@ class Selection:
             conditions.append(f"r.domain = {param(self.domain.lower())}")
         if self.org_id:
             conditions.append(f"r.org_id = {param(self.org_id)}")
+        if self.lane is not None:
+            conditions.append(f"r.lane = {param(self.lane)}")
         if self.older_than is not None:
             conditions.append(
                 f"r.created_at < now() - make_interval(secs => {param(float(self.older_than))})"
@@ -171,6 +175,7 @@ class RecipientRow:
     sender: str
     address: str
     status: str
+    lane: str
     attempts: int
     created_at: datetime
     next_attempt_at: datetime
@@ -187,7 +192,7 @@ class RecipientRow:
 
 
 _ROW_COLUMNS = """r.id, r.message_id AS queue_id, o.name AS org, m.sender, r.address, r.status,
-    r.attempts, r.created_at, r.next_attempt_at, r.lease_owner, r.last_code,
+    r.lane, r.attempts, r.created_at, r.next_attempt_at, r.lease_owner, r.last_code,
     r.last_enhanced_code, r.last_response, r.delay_warned_at"""
 
 
@@ -248,6 +253,7 @@ class MessageDetail:
     listener: str
     client_ip: str | None
     auth_user: str | None
+    lane: str
     recipients: list[RecipientRow]
     attempts: list[dict[str, Any]] = field(default_factory=list)  # when a recipient was named
 
@@ -270,7 +276,7 @@ async def show(db: Executor, ref: uuid.UUID, *, org_id: uuid.UUID | None = None)
         raise LookupError(f"no message or recipient has the id {ref}")
     message = await db.fetchrow(
         """SELECT m.id, o.name AS org, m.sender, m.header_message_id, m.size, m.received_at,
-                  m.listener, host(m.client_ip) AS client_ip, m.auth_user
+                  m.listener, host(m.client_ip) AS client_ip, m.auth_user, m.lane
            FROM message m JOIN org o ON o.id = m.org_id WHERE m.id = $1""",
         message_id,
     )
@@ -306,6 +312,7 @@ async def show(db: Executor, ref: uuid.UUID, *, org_id: uuid.UUID | None = None)
         listener=message["listener"],
         client_ip=message["client_ip"],
         auth_user=message["auth_user"],
+        lane=message["lane"],
         recipients=[_recipient_row(r) for r in rows],
         attempts=attempts,
     )
@@ -332,32 +339,20 @@ class QueueSummary:
     deferred: int  # queued after at least one attempt
     oldest_due_age: float  # seconds the longest-waiting due recipient has waited (0 if none)
     top_deferred: list[Destination]
+    lanes: tuple[LaneStats, ...] = ()  # the live queue of each lane that has live rows
 
 
-# Only the live part of the table is read, through the partial indexes recipient_due,
-# recipient_leased and recipient_deferred (index-only scans once vacuum has marked the pages), so
-# the cost follows the queue, not the history of delivered mail.
-_LIVE = """
-SELECT q.queued, q.due,
-    -- the rows in flight (lease_until is set exactly while status = 'delivering', migration 0006)
-    (SELECT count(*) FROM recipient WHERE lease_until IS NOT NULL) AS delivering,
-    (SELECT COALESCE(extract(epoch FROM now() - min(next_attempt_at)), 0)
-       FROM recipient WHERE status = 'queued' AND next_attempt_at <= now()) AS oldest_due_age
-FROM (SELECT count(*) AS queued, count(*) FILTER (WHERE next_attempt_at <= now()) AS due
-      FROM recipient WHERE status = 'queued') q
-"""
-
-# One pass over recipient_deferred gives the count per destination and (window sum, taken before
-# the LIMIT) the total; the latest reply of each top destination is one backward index step.
+# One pass over recipient_deferred gives the count per destination; the latest reply of each top
+# destination is one backward index step.
 _TOP_DEFERRED = """
 WITH g AS MATERIALIZED (
     SELECT domain, count(*) AS deferred FROM recipient
     WHERE status = 'queued' AND attempts > 0
     GROUP BY domain
 )
-SELECT t.domain, t.deferred, t.total, l.last_code, l.last_enhanced_code, l.last_response,
+SELECT t.domain, t.deferred, l.last_code, l.last_enhanced_code, l.last_response,
        l.updated_at
-FROM (SELECT domain, deferred, sum(deferred) OVER () AS total FROM g
+FROM (SELECT domain, deferred FROM g
       ORDER BY deferred DESC, domain LIMIT $1) t
 CROSS JOIN LATERAL (
     SELECT last_code, last_enhanced_code, last_response, updated_at FROM recipient
@@ -390,11 +385,12 @@ ESTIMATE_ABOVE = 200_000  # rows in the table; below this an exact count is chea
 async def queue_summary(
     db: Executor, *, top: int = 10, exact: bool = False, estimate_above: int = ESTIMATE_ABOVE
 ) -> QueueSummary:
-    live = await db.fetchrow(_LIVE)
-    assert live is not None
+    # The live part of the table only, through the partial indexes (upkeep.queue_stats), so the
+    # cost follows the queue, not the history of delivered mail.
+    live = await queue_stats(db)
     counts: dict[str, int] = {s: 0 for s in Status}
-    counts[Status.QUEUED] = live["queued"]
-    counts[Status.DELIVERING] = live["delivering"]
+    counts[Status.QUEUED] = live.queued
+    counts[Status.DELIVERING] = live.delivering
     history, estimated = await _history_counts(db, exact=exact, estimate_above=estimate_above)
     counts.update(history)
     rows = await db.fetch(_TOP_DEFERRED, max(top, 1))
@@ -412,10 +408,11 @@ async def queue_summary(
     return QueueSummary(
         counts=counts,
         estimated=estimated,
-        due=live["due"],
-        deferred=int(rows[0]["total"]) if rows else 0,
-        oldest_due_age=float(live["oldest_due_age"]),
+        due=live.due,
+        deferred=live.deferred,
+        oldest_due_age=live.oldest_due_age,
         top_deferred=destinations,
+        lanes=live.lanes,
     )
 
 

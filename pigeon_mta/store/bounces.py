@@ -35,6 +35,7 @@ class ReportedRecipient:
     header_message_id: str | None
     received_at: datetime
     head: bytes  # the first bytes of the original, enough for its header section
+    lane: str = "transactional"  # its lane, whose max_age may be its own
 
 
 # Everything a DSN needs about the recipients it reports: the last reply, the host that gave
@@ -43,7 +44,7 @@ class ReportedRecipient:
 # mail (DSNs themselves) is left out: a bounce is never bounced.
 _REPORTED_RECIPIENTS = """
 SELECT r.id, r.message_id, r.address, r.status, r.created_at, r.last_code, r.last_enhanced_code,
-       r.last_response, m.org_id, m.sender, m.header_message_id, m.received_at,
+       r.last_response, r.lane, m.org_id, m.sender, m.header_message_id, m.received_at,
        substring(m.body FROM 1 FOR $2) AS head, a.mx_host, a.started_at
 FROM recipient r
 JOIN message m ON m.id = r.message_id
@@ -86,6 +87,7 @@ def _reported(row: asyncpg.Record) -> ReportedRecipient:
         header_message_id=row["header_message_id"],
         received_at=row["received_at"],
         head=bytes(row["head"]),
+        lane=row["lane"],
     )
 
 

@@ -10,6 +10,7 @@ import secrets
 import string
 import unicodedata
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -132,24 +133,28 @@ class Credential:
     disabled: bool
     created_at: datetime
     disabled_at: datetime | None
+    lane: str | None = None  # the lane of the mail it sends, unless a message names one
 
 
 @dataclass(frozen=True)
 class Login:
-    """What AUTH needs to check a password: the row's id, org, hash and state."""
+    """What AUTH needs to check a password: the row's id, org, hash and state; and the user's
+    lane, for the mail sent in that session (submission/lanes.py)."""
 
     id: uuid.UUID
     org_id: uuid.UUID
     username: str
     password_hash: str
     disabled: bool
+    lane: str | None = None
 
 
 class CredentialExists(Exception):
     pass
 
 
-_COLUMNS = """c.id, c.org_id, o.name AS org, c.username, c.disabled, c.created_at, c.disabled_at"""
+_COLUMNS = """c.id, c.org_id, o.name AS org, c.username, c.disabled, c.created_at, c.disabled_at,
+    c.lane"""
 
 
 def _credential(row: asyncpg.Record) -> Credential:
@@ -161,6 +166,7 @@ def _credential(row: asyncpg.Record) -> Credential:
         disabled=row["disabled"],
         created_at=row["created_at"],
         disabled_at=row["disabled_at"],
+        lane=row["lane"],
     )
 
 
@@ -172,8 +178,8 @@ _NAMES_LOCK = 0x70696765  # "pige"
 # database's locale, and such a name is still found by its exact spelling.
 _ADD = f"""
 WITH c AS (
-    INSERT INTO credential (id, org_id, username, password_hash)
-    SELECT $1, $2, $3, $4
+    INSERT INTO credential (id, org_id, username, password_hash, lane)
+    SELECT $1, $2, $3, $4, $6
     WHERE NOT EXISTS (SELECT 1 FROM credential WHERE lower(username) = $5)
     ON CONFLICT (username) DO NOTHING
     RETURNING *)
@@ -182,13 +188,13 @@ SELECT {_COLUMNS} FROM c JOIN org o ON o.id = c.org_id
 
 
 async def add_credential(
-    db: Executor, org_id: uuid.UUID, username: str, password_hash: str
+    db: Executor, org_id: uuid.UUID, username: str, password_hash: str, *, lane: str | None = None
 ) -> Credential:
     """Add a user; CredentialExists when a user of the same normal form (`username_key`) exists."""
     async with transaction(db) as conn:
         await conn.execute("SELECT pg_advisory_xact_lock($1)", _NAMES_LOCK)
         row = await conn.fetchrow(
-            _ADD, new_id(), org_id, username, password_hash, username_key(username)
+            _ADD, new_id(), org_id, username, password_hash, username_key(username), lane
         )
         if row is None:
             existing = await conn.fetchval(
@@ -230,6 +236,23 @@ async def set_password(db: Executor, username: str, password_hash: str) -> Crede
     return await _update(db, username, "password_hash = $2", password_hash)
 
 
+async def set_lane(db: Executor, username: str, lane: str | None) -> Credential | None:
+    """Set the lane of the mail a user sends (None: the listener's); None when there is no such
+    user. It holds from the user's next AUTH."""
+    return await _update(db, username, "lane = $2", lane)
+
+
+async def users_outside_lanes(db: Executor, lanes: Iterable[str]) -> dict[str, list[str]]:
+    """The users whose lane is none of `lanes` (the settings changed after `user set`), by lane."""
+    rows = await db.fetch(
+        """SELECT lane, array_agg(username ORDER BY username) AS users FROM credential
+           WHERE lane IS NOT NULL AND lane <> ALL ($1::text[])
+           GROUP BY lane ORDER BY lane""",
+        sorted(lanes),
+    )
+    return {r["lane"]: list(r["users"]) for r in rows}
+
+
 async def _update(
     db: Executor, username: str, assignments: str, *args: object
 ) -> Credential | None:
@@ -265,7 +288,7 @@ async def delete_credential(db: Executor, username: str) -> Credential | None:
 # by case), then the normal form. Not an index lookup: lower(username) has no index, and the
 # credential table is small next to the scrypt work every AUTH does.
 _FIND_LOGIN = """
-SELECT id, org_id, username, password_hash, disabled FROM credential
+SELECT id, org_id, username, password_hash, disabled, lane FROM credential
 WHERE username = $1 OR lower(username) = $2
 ORDER BY username = $1 DESC, created_at
 LIMIT 1
@@ -283,4 +306,5 @@ async def find_login(db: Executor, username: str) -> Login | None:
         username=row["username"],
         password_hash=row["password_hash"],
         disabled=row["disabled"],
+        lane=row["lane"],
     )

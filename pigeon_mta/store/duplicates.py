@@ -82,14 +82,16 @@ WITH d AS (
 ), m AS (
     INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
                          client_ip, client_helo, credential_id, auth_user, received_at,
-                         tls_version, tls_cipher)
+                         tls_version, tls_cipher, lane)
     SELECT $1, $2, $3::text, $4::text, $5::int, $6::bytea, $7::text, $8::inet, $9::text,
-           $10::uuid, $11::text, COALESCE($15::timestamptz, now()), $16::text, $17::text
+           $10::uuid, $11::text, COALESCE($15::timestamptz, now()), $16::text, $17::text,
+           $20::text
     WHERE EXISTS (SELECT 1 FROM k WHERE k.owner = $1)
-    RETURNING id, org_id, received_at
+    RETURNING id, org_id, received_at, lane
 ), r AS (
-    INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at)
-    SELECT k.id, m.id, m.org_id, k.address, k.domain, m.received_at, m.received_at
+    INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at,
+                           lane)
+    SELECT k.id, m.id, m.org_id, k.address, k.domain, m.received_at, m.received_at, m.lane
     FROM m JOIN k ON k.owner = m.id
 ), reply AS (
     SELECT owner AS id FROM k ORDER BY owner = $1 DESC, owner LIMIT 1
@@ -113,7 +115,7 @@ SELECT $1 AS message_id, address, original_id, reply_id FROM x
 # through: each of their recipients is its own owner.
 _ENQUEUE_MANY = f"""
 WITH u AS (
-    SELECT * FROM unnest($1::uuid[], $2::uuid[], $19::uuid[], $20::float8[])
+    SELECT * FROM unnest($1::uuid[], $2::uuid[], $20::uuid[], $21::float8[])
         AS u (id, org_id, message_key, window_secs)
 ), v AS (
     SELECT * FROM unnest($12::uuid[], $13::uuid[], $14::text[], $15::text[])
@@ -136,20 +138,22 @@ WITH u AS (
 ), m AS (
     INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
                          client_ip, client_helo, credential_id, auth_user, received_at,
-                         tls_version, tls_cipher)
+                         tls_version, tls_cipher, lane)
     SELECT w.id, w.org_id, w.sender, w.header_message_id, w.size, w.body, w.listener,
            w.client_ip, w.client_helo, w.credential_id, w.auth_user,
-           COALESCE(w.received_at, now()), w.tls_version, w.tls_cipher
+           COALESCE(w.received_at, now()), w.tls_version, w.tls_cipher, w.lane
     FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::int[], $6::bytea[],
                 $7::text[], $8::inet[], $9::text[], $10::uuid[], $11::text[],
-                $16::timestamptz[], $17::text[], $18::text[])
+                $16::timestamptz[], $17::text[], $18::text[], $19::text[])
          AS w (id, org_id, sender, header_message_id, size, body, listener, client_ip,
-               client_helo, credential_id, auth_user, received_at, tls_version, tls_cipher)
+               client_helo, credential_id, auth_user, received_at, tls_version, tls_cipher,
+               lane)
     WHERE EXISTS (SELECT 1 FROM k WHERE k.message_id = w.id AND k.owner = w.id)
-    RETURNING id, org_id, received_at
+    RETURNING id, org_id, received_at, lane
 ), r AS (
-    INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at)
-    SELECT k.id, m.id, m.org_id, k.address, k.domain, m.received_at, m.received_at
+    INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at,
+                           lane)
+    SELECT k.id, m.id, m.org_id, k.address, k.domain, m.received_at, m.received_at, m.lane
     FROM m JOIN k ON k.message_id = m.id AND k.owner = m.id
 ), dm AS (  -- the messages with duplicates, without their bodies
     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::int[],
@@ -216,6 +220,7 @@ async def enqueue_submitted(
             e.tls_cipher,
             message_key(e.header_message_id or ""),
             float(e.duplicate_window),
+            e.lane,
         )
     else:
         rows = await db.fetch(_ENQUEUE_MANY, *_many_arguments(batch))
@@ -228,8 +233,8 @@ async def enqueue_submitted(
 
 
 def _many_arguments(batch: Sequence[tuple[uuid.UUID, Envelope]]) -> list[Sequence[object]]:
-    """The parameters of _ENQUEUE_MANY: the plain batch enqueue's ($1-$18), then each message's
-    key and window."""
+    """The parameters of _ENQUEUE_MANY: the plain batch enqueue's ($1-$19), then each message's
+    key and window ($20, $21)."""
     return [
         *store_queue.batch_columns(batch),
         [message_key(e.header_message_id or "") if _checked(e) else None for _q, e in batch],

@@ -35,6 +35,7 @@ class MessageRecord:
     auth_user: str | None
     tls_version: str | None = None
     tls_cipher: str | None = None
+    lane: str = "transactional"  # the lane it is delivered in
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class MessageStory:
 
 _MESSAGE_COLUMNS = """m.id, m.org_id, o.name AS org_name, m.sender, m.header_message_id, m.size,
     m.received_at, m.listener, host(m.client_ip) AS client_ip, m.client_helo, m.auth_user,
-    m.tls_version, m.tls_cipher"""
+    m.tls_version, m.tls_cipher, m.lane"""
 
 _BY_QUEUE_ID = f"""
 SELECT {_MESSAGE_COLUMNS} FROM message m JOIN org o ON o.id = m.org_id WHERE m.id = $1
@@ -141,6 +142,7 @@ def _message(row: asyncpg.Record) -> MessageRecord:
         auth_user=row["auth_user"],
         tls_version=row["tls_version"],
         tls_cipher=row["tls_cipher"],
+        lane=row["lane"],
     )
 
 

@@ -31,13 +31,14 @@ _ENQUEUE_ONE_TEMPLATE = """
 WITH m AS (
     INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
                          client_ip, client_helo, credential_id, auth_user, received_at,
-                         tls_version, tls_cipher)
+                         tls_version, tls_cipher, lane)
     VALUES ($1, $2, $3, $4, $5, $6, $7, $8::inet, $9, $10, $11,
-            COALESCE($15::timestamptz, now()), $16, $17)
-    RETURNING id, org_id, received_at
+            COALESCE($15::timestamptz, now()), $16, $17, $18)
+    RETURNING id, org_id, received_at, lane
 ), r AS (
-    INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at)
-    SELECT u.id, m.id, m.org_id, u.address, u.domain, m.received_at, m.received_at
+    INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at,
+                           lane)
+    SELECT u.id, m.id, m.org_id, u.address, u.domain, m.received_at, m.received_at, m.lane
     FROM m, unnest($12::uuid[], $13::text[], $14::text[]) AS u (id, address, domain)
 )
 SELECT {final}
@@ -46,19 +47,21 @@ _ENQUEUE_MANY_TEMPLATE = """
 WITH m AS (
     INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
                          client_ip, client_helo, credential_id, auth_user, received_at,
-                         tls_version, tls_cipher)
+                         tls_version, tls_cipher, lane)
     SELECT u.id, u.org_id, u.sender, u.header_message_id, u.size, u.body, u.listener,
            u.client_ip, u.client_helo, u.credential_id, u.auth_user,
-           COALESCE(u.received_at, now()), u.tls_version, u.tls_cipher
+           COALESCE(u.received_at, now()), u.tls_version, u.tls_cipher, u.lane
     FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::int[], $6::bytea[],
                 $7::text[], $8::inet[], $9::text[], $10::uuid[], $11::text[],
-                $16::timestamptz[], $17::text[], $18::text[])
+                $16::timestamptz[], $17::text[], $18::text[], $19::text[])
          AS u (id, org_id, sender, header_message_id, size, body, listener, client_ip,
-               client_helo, credential_id, auth_user, received_at, tls_version, tls_cipher)
-    RETURNING id, org_id, received_at
+               client_helo, credential_id, auth_user, received_at, tls_version, tls_cipher,
+               lane)
+    RETURNING id, org_id, received_at, lane
 ), r AS (
-    INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at)
-    SELECT u.id, m.id, m.org_id, u.address, u.domain, m.received_at, m.received_at
+    INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at,
+                           lane)
+    SELECT u.id, m.id, m.org_id, u.address, u.domain, m.received_at, m.received_at, m.lane
     FROM unnest($12::uuid[], $13::uuid[], $14::text[], $15::text[])
          AS u (id, message_id, address, domain)
     JOIN m ON m.id = u.message_id
@@ -127,13 +130,14 @@ async def enqueue_many(
             e.received_at,
             e.tls_version,
             e.tls_cipher,
+            e.lane,
         )
         return
     await db.execute(_ENQUEUE_MANY if notify else _ENQUEUE_MANY_QUIET, *batch_columns(batch))
 
 
 def batch_columns(batch: Sequence[tuple[uuid.UUID, Envelope]]) -> list[Sequence[object]]:
-    """The parameters $1-$18 of _ENQUEUE_MANY (and of the duplicate check's batch statement): one
+    """The parameters $1-$19 of _ENQUEUE_MANY (and of the duplicate check's batch statement): one
     array per column, one element per message, but $12-$15, one element per recipient."""
     recipients = [(q, r) for q, envelope in batch for r in envelope.recipients]
     return [
@@ -155,4 +159,5 @@ def batch_columns(batch: Sequence[tuple[uuid.UUID, Envelope]]) -> list[Sequence[
         [e.received_at for _q, e in batch],
         [e.tls_version for _q, e in batch],
         [e.tls_cipher for _q, e in batch],
+        [e.lane for _q, e in batch],
     ]

@@ -1,8 +1,9 @@
 """What a message submission agent adds to a message (RFC 6409 8): pure functions on bytes.
 
 Line endings become CRLF, a missing Message-ID or Date is added at the end of the header, and a
-Received and an Authentication-Results header (RFC 8601, built with authres) go on top. Nothing
-else in the message is touched.
+Received and an Authentication-Results header (RFC 8601, built with authres) go on top. The
+X-Pigeon-Lane fields, a request to pigeon-mta itself (submission/lanes.py), are taken out, so that
+they are never signed or delivered. Nothing else in the message is touched.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from pigeon_mta.message import (
     split_header,
 )
 from pigeon_mta.submission.authserv import claims_authserv_id
+
+# The field a client names the lane of its message with (submission/lanes.py).
+LANE_FIELD = b"x-pigeon-lane"
 
 _LONE_EOL = re.compile(rb"\r\n|\r|\n")
 _HELO_UNSAFE = re.compile(r"[^\x21-\x27\x2a-\x5b\x5d-\x7e]")  # no space, parentheses, backslash
@@ -68,6 +72,8 @@ class Fixed:
     header_message_id: str | None  # the Message-ID header value (ours when it was added)
     # (name, value) of each originator field, in message order: for the sender policy.
     address_fields: list[tuple[str, str]]
+    # The values of the X-Pigeon-Lane fields the client wrote, in order (the fields are removed).
+    lane_fields: tuple[str, ...] = ()
 
 
 def apply_fixups(
@@ -85,6 +91,9 @@ def apply_fixups(
     if max_hops and sum(1 for n, _f in named if n == b"received") >= max_hops:
         raise TooManyHops(f"the message passed {max_hops} hosts already")
     named = [(n, f) for n, f in named if not _forged_results(n, f, trace.hostname)]
+    lane_fields = tuple(field_value(f) for n, f in named if n == LANE_FIELD)
+    if lane_fields:
+        named = [(n, f) for n, f in named if n != LANE_FIELD]
     fields = [f for _n, f in named]
     names = {n for n, _f in named}
     added: list[bytes] = []
@@ -100,7 +109,7 @@ def apply_fixups(
     top = received_header(trace) + authentication_results(trace)
     out = b"".join((top, *fields, *added, rest))
     originators = [(n.decode("ascii"), field_value(f)) for n, f in named if n in ORIGINATOR_FIELDS]
-    return Fixed(out, message_id, originators)
+    return Fixed(out, message_id, originators, lane_fields)
 
 
 def received_header(trace: Trace) -> bytes:

@@ -26,6 +26,7 @@ from pigeon_mta.submission import replies
 from pigeon_mta.submission.addresses import AddressProblem, Mailbox, parse_mailbox
 from pigeon_mta.submission.context import ListenerContext, conversation
 from pigeon_mta.submission.fixups import TooManyHops, Trace, apply_fixups
+from pigeon_mta.submission.lanes import choose_lane
 from pigeon_mta.submission.mail_params import TransactionEnvelope
 from pigeon_mta.submission.policy import SenderPolicy
 from pigeon_mta.submission.reception import Reception, record_duplicates, record_reception
@@ -181,6 +182,16 @@ class SubmissionHandler:
         refusal = await self.policy.check_originators(conv, fixed.address_fields)
         if refusal:
             return refusal
+        lane = choose_lane(
+            fixed.lane_fields,
+            user=conv.login.username if conv.login else None,
+            user_lane=conv.login.lane if conv.login else None,
+            listener_lane=self.ctx.listener.lane,
+            lanes=self.ctx.settings.lanes,
+        )
+        if lane.refusal:
+            log.info("message from [%s] refused: %s", conv.client_ip, lane.refusal)
+            return lane.refusal
         message = model.Envelope(
             org_id=org_id,
             sender=sender,
@@ -199,6 +210,7 @@ class SubmissionHandler:
             duplicate_window=self.ctx.limits.duplicate_window
             if fixed.header_message_id != new_message_id
             else 0.0,
+            lane=lane.lane,
         )
         reception = Reception(
             queue_id=queue_id,
@@ -215,6 +227,7 @@ class SubmissionHandler:
             received_at=received_at,
             # Recorded only: the client's claim, never a policy input (mail_params.py).
             auth_param=envelope.auth_param if isinstance(envelope, TransactionEnvelope) else None,
+            lane=lane.lane,
         )
         try:
             duplicates = await self._enqueue(server, message, reception)

@@ -36,13 +36,15 @@ class Reception:
     received_at: datetime
     # MAIL's AUTH= (RFC 4954 section 5), as the client claimed it: "" for AUTH=<>, None if absent.
     auth_param: str | None = None
+    lane: str = "transactional"  # the lane it is delivered in (submission/lanes.py)
 
 
 def record_reception(reception: Reception) -> None:
     MESSAGES_ACCEPTED.labels(listener=reception.listener).inc()
     auth_param = "" if reception.auth_param is None else f" auth=<{reception.auth_param}>"
     log.info(
-        "queued %s listener=%s client=[%s] user=%s from=<%s> nrcpt=%d size=%d message-id=<%s>%s",
+        "queued %s listener=%s client=[%s] user=%s from=<%s> nrcpt=%d size=%d message-id=<%s> "
+        "lane=%s%s",
         reception.queue_id,
         reception.listener,
         reception.client_ip,
@@ -51,6 +53,7 @@ def record_reception(reception: Reception) -> None:
         len(reception.recipients),
         reception.size,
         reception.header_message_id or "",
+        reception.lane,
         auth_param,
     )
 

@@ -54,6 +54,10 @@ HEADER_TOO_BIG = "552 5.3.4 Message header exceeds fixed maximum header size"
 LINE_TOO_LONG = "500 5.5.2 Line too long (RFC 5321 4.5.3.1.6)"
 RATE_LIMITED = "450 4.7.1 Message rate limit exceeded for this user, try again later"
 TOO_MANY_HOPS = "554 5.4.6 Too many hops"  # RFC 3463 X.4.6: routing loop detected
+# The X-Pigeon-Lane field names a lane the server does not have (submission/lanes.py): refused, so
+# that a typo never moves mail into another lane. {lane} is the name as written, made printable.
+UNKNOWN_LANE = "550 5.7.0 X-Pigeon-Lane: no such lane: {lane}"
+LANES_DIFFER = "550 5.7.0 X-Pigeon-Lane fields name different lanes: {lanes}"
 
 DATABASE_TROUBLE = "451 4.3.0 Temporary failure queueing the message, try again later"
 LOCAL_ERROR = "451 4.3.0 Local error in processing, try again later"
@@ -143,9 +147,22 @@ _REASONS = {
 }
 
 
+# Replies that carry the client's text, known by their start.
+_REASON_PREFIXES = (
+    (UNKNOWN_LANE.partition("{")[0], "bad_lane"),
+    (LANES_DIFFER.partition("{")[0], "bad_lane"),
+)
+
+
 def rejection_reason(reply: str) -> str:
     """The metric label for a 4xx/5xx reply; "protocol" for syntax and sequence errors."""
-    return _REASONS.get(reply, "protocol")
+    reason = _REASONS.get(reply)
+    if reason is not None:
+        return reason
+    for prefix, reason in _REASON_PREFIXES:
+        if reply.startswith(prefix):
+            return reason
+    return "protocol"
 
 
 # Refusals that count as junk commands (limits.max_junk_commands): those of how the client speaks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,18 @@ def test_check_config_warns_about_the_insecure_relayhost_opt_out(tmp_path: Path)
     assert result.returncode == 0, result.stderr
     assert "pigeon-mta: warning: the relayhost password goes to any certificate" in result.stderr
     assert "ok" in result.stdout
+
+
+def test_check_config_lists_the_lanes_and_the_listeners_lane(tmp_path: Path) -> None:
+    path = tmp_path / "lanes.toml"
+    path.write_text(
+        '[lanes.bulk]\nrate = 20\nmax_age = "2d"\n[lanes.notify]\nweight = 5\n'
+        '[[listener]]\nname = "news"\naddress = "127.0.0.1:2600"\nmode = "relay"\nlane = "bulk"\n'
+    )
+    result = run_pigeon("check-config", str(path), "--json")
+    assert result.returncode == 0, result.stderr
+    shown = json.loads(result.stdout)
+    assert shown["lanes"] == (
+        "bulk (weight 1, rate 20/s, max_age 2d), notify (weight 5), transactional (weight 10)"
+    )
+    assert shown["listeners"] == "news=127.0.0.1:2600/relay (lane bulk)"

@@ -43,6 +43,8 @@ CONTRACT_METRICS = {
 }
 
 T = TypeVar("T")
+# The lane of the seeded mail (the default lane).
+LANE = "transactional"
 
 
 def observe_config(tmp_path: Path, db_url: str, port: int, extra: str = "") -> Path:
@@ -177,15 +179,19 @@ def test_one_process_metrics_health_queue_gauges_and_expiry(
 
     def queue_published() -> Samples | None:
         got = samples(scrape(port))
-        return got if value(got, "pigeon_queue_recipients", status="deferred") == 3 else None
+        return (
+            got
+            if value(got, "pigeon_queue_recipients", status="deferred", lane=LANE) == 3
+            else None
+        )
 
     got = eventually(queue_published, "queue gauges")
     # 5 seeded due recipients, plus the 4 bounces (one per expired message) that expiry queued
     # for the senders of the 4 expired recipients.
-    assert value(got, "pigeon_queue_recipients", status="queued") == 9
-    assert value(got, "pigeon_queue_recipients", status="delivering") == 2
+    assert value(got, "pigeon_queue_recipients", status="queued", lane=LANE) == 9
+    assert value(got, "pigeon_queue_recipients", status="delivering", lane=LANE) == 2
     assert value(got, "pigeon_queue_due_recipients") == 9
-    assert (value(got, "pigeon_queue_oldest_age_seconds") or 0) >= 120
+    assert (value(got, "pigeon_queue_oldest_age_seconds", lane=LANE) or 0) >= 120
     # The sweeper expired the 4 recipients older than max_age: counted and logged.
     assert value(got, "pigeon_deliveries_total", outcome="expired") == 4
     assert value(got, "pigeon_workers_ready") == 1

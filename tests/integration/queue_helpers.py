@@ -55,8 +55,7 @@ async def bulk_queue(
                $6, $3, m.received_at, now() + make_interval(secs => $4),
                -- a row in flight holds a lease, as a claim leaves it
                CASE WHEN $3 = 'delivering' THEN now() + interval '5 minutes' END,
-               CASE WHEN $3 = 'delivering' THEN 'bulk-test' END,
-               $8
+               CASE WHEN $3 = 'delivering' THEN 'bulk-test' END, $8
         FROM m, generate_series(1, $7) AS n
         """,
         org_id,

@@ -7,7 +7,7 @@ import uuid
 
 import asyncpg
 
-from pigeon_mta.store import admin_queue
+from pigeon_mta.store import admin_queue, upkeep
 from tests.integration.queue_helpers import bulk_queue
 from tests.integration.test_queue import _plan_nodes
 
@@ -31,7 +31,7 @@ async def test_summary_queries_use_the_partial_indexes(
     await pool.execute("UPDATE recipient SET attempts = 1 WHERE domain = 'slow.example'")
     await pool.execute("VACUUM ANALYZE recipient")
 
-    live = await _scans(pool, admin_queue._LIVE)
+    live = await _scans(pool, upkeep._STATS)
     assert live and all(kind != "Seq Scan" for kind, _ in live), live
     top = await _scans(pool, admin_queue._TOP_DEFERRED, 10)
     assert {name for _, name in top} == {"recipient_deferred"}, top
@@ -39,6 +39,9 @@ async def test_summary_queries_use_the_partial_indexes(
     summary = await admin_queue.queue_summary(pool, estimate_above=1000)
     assert summary.counts["queued"] == 2_050 and summary.deferred == 2_000
     assert summary.due == 50
+    assert [(lane.lane, lane.queued, lane.deferred, lane.due) for lane in summary.lanes] == [
+        ("transactional", 2_050, 2_000, 50)
+    ]
     assert [(d.domain, d.deferred) for d in summary.top_deferred] == [("slow.example", 2_000)]
     # History is estimated from the statistics on a big table, exact when asked.
     assert "delivered" in summary.estimated

@@ -18,7 +18,7 @@ from pigeon_mta import notices
 from pigeon_mta.model import DSN_LISTENER, AttemptResult, Delivery, Envelope, Outcome, Reply
 from pigeon_mta.outbound import outcome
 from pigeon_mta.outbound.classify import classify_reply
-from pigeon_mta.store import admin_queue, bounces, leases, queue, suppression
+from pigeon_mta.store import admin_queue, bounces, leases, queue, suppression, upkeep
 from tests.integration.queue_helpers import bulk_queue, claim, suppressed_at_claim
 from tests.integration.test_queue import _recipient_scans
 
@@ -528,3 +528,25 @@ async def test_a_retried_bounce_may_be_warned_again_a_retried_deferral_not(
         for r in await pool.fetch("SELECT id, delay_warned_at FROM recipient")
     }
     assert marks[first["id"]] is None and marks[second["id"]] is not None
+
+
+async def test_a_delay_warning_promises_retries_only_until_the_lane_max_age(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """A bulk recipient queued 3 hours ago, in a lane whose max_age is 1 day, under a
+    delivery.max_age of 5 days: tried until 1 day after it was queued."""
+    await bulk_queue(pool, org_id, messages=1, age=3 * 3600, due_in=600, lane="bulk")
+    await pool.execute(
+        """UPDATE recipient SET attempts = 1, last_code = 451, last_enhanced_code = '4.7.1',
+                  last_response = 'later'"""
+    )
+    bulk_day = upkeep.LaneMaxAge("bulk", 86400, "1d")
+    warned = await notices.warn_delayed(
+        pool, after=3600, max_age=5 * 86400, hostname=HOST, lane_max_ages=[bulk_day]
+    )
+    assert warned.recipients == 1
+    [dsn] = await queued_dsns(pool)
+    _about, reported = delivery_status(bytes(dsn["body"]))
+    until = email.utils.parsedate_to_datetime(reported["Will-Retry-Until"])
+    expected = datetime.now(UTC) - timedelta(hours=3) + timedelta(days=1)
+    assert abs((until - expected).total_seconds()) < 60, (until, expected)

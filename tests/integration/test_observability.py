@@ -36,7 +36,7 @@ WORKER = textwrap.dedent(
     metrics.DELIVERIES.labels(outcome="delivered").inc(n)
     metrics.DELIVERY_ATTEMPT_SECONDS.observe(0.02 * n)
     metrics.OUTBOUND_CONNECTIONS_OPEN.set(n)
-    metrics.QUEUE_OLDEST_AGE.set(999)  # a worker's copy of a supervisor-owned gauge
+    metrics.QUEUE_OLDEST_AGE.labels(lane="bulk").set(999)  # a worker's copy of a supervisor-owned gauge
     print("done", flush=True)
     sys.stdin.read()  # stay alive until told to go
     """
@@ -88,7 +88,7 @@ def test_counters_histograms_and_live_gauges_add_up_over_processes(
     directory, procs = workers
     exposition = MetricsExposition(directory)
     metrics.DELIVERIES.labels(outcome="delivered").inc()
-    metrics.QUEUE_OLDEST_AGE.set(42.5)
+    metrics.QUEUE_OLDEST_AGE.labels(lane="bulk").set(42.5)
     mine = here("pigeon_deliveries_total", outcome="delivered")
     my_count = here("pigeon_delivery_attempt_seconds_count")
     my_open = here("pigeon_outbound_connections_open")
@@ -100,7 +100,8 @@ def test_counters_histograms_and_live_gauges_add_up_over_processes(
     le = here("pigeon_delivery_attempt_seconds_bucket", le="0.05")
     assert got[("pigeon_delivery_attempt_seconds_bucket", (("le", "0.05"),))] == 1 + le
     assert got[("pigeon_outbound_connections_open", ())] == 5 + my_open
-    assert got[("pigeon_queue_oldest_age_seconds", ())] == 42.5  # the supervisor's, not 999
+    # the supervisor's, not 999
+    assert got[("pigeon_queue_oldest_age_seconds", (("lane", "bulk"),))] == 42.5
     labels = {dict(k[1]).get("process") for k in got if k[0] == "process_cpu_seconds_total"}
     assert labels == {"supervisor"}
     subprocess.run([promtool(), "check", "metrics"], input=text, text=True, check=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 
@@ -183,3 +184,41 @@ def test_node_name_defaults_to_the_hostname_and_must_not_contain_a_slash(tmp_pat
     assert load_settings(None, env={}).server.node_name == socket.gethostname()
     with pytest.raises(ConfigError, match=r"'server.node_name' must not contain '/'"):
         load_settings(write(tmp_path, '[server]\nnode_name = "a/b"\n'), env={})
+
+
+def test_lanes_keep_the_builtins_and_a_lane_max_age_replaces_delivery_max_age(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "pigeon.toml"
+    path.write_text(
+        '[delivery]\nmax_age = "5d"\n'
+        '[lanes.bulk]\nmax_age = "2d"\n'
+        "[lanes.notify]\nweight = 5\n"
+        '[[listener]]\nname = "app"\naddress = "127.0.0.1:2600"\nmode = "relay"\nlane = "notify"\n'
+    )
+    settings = load_settings(path)
+    assert sorted(settings.lanes) == ["bulk", "notify", "transactional"]
+    # A key the file leaves out keeps the built-in lane's value.
+    assert (settings.lanes["bulk"].weight, settings.lanes["transactional"].weight) == (1, 10)
+    assert settings.max_age_of("bulk") == 2 * 86400
+    assert settings.max_age_of("transactional") == settings.max_age_of("gone") == 5 * 86400
+    assert settings.listener[0].lane == "notify"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[lanes.Bulk]\nweight = 1\n", "bad lane name 'lanes.Bulk'"),
+        ("[lanes.bulk]\nweight = 0\n", "'lanes.bulk.weight' must be more than zero"),
+        ("[lanes.bulk]\nrate = -1\n", "'lanes.bulk.rate' must not be negative"),
+        (
+            '[[listener]]\nname = "x"\naddress = "127.0.0.1:2600"\nmode = "relay"\nlane = "nope"\n',
+            "listener 'x': lane 'nope' is not a lane (lanes: bulk, transactional)",
+        ),
+    ],
+)
+def test_lane_mistakes_name_their_key(tmp_path: Path, text: str, expected: str) -> None:
+    path = tmp_path / "pigeon.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_settings(path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -90,6 +91,17 @@ def test_a_reception_is_one_record_per_recipient_with_the_contract_fields_first(
         assert record["attempt"] is None and record["mx"] is None and record["tls"] is None
         assert record["listener"] == "submission" and record["auth_user"] == "alice"
         assert record["size"] == len(envelope().body)
+        assert record["lane"] == "transactional"
+
+
+def test_reception_and_attempt_records_carry_the_lane() -> None:
+    bulk = dataclasses.replace(envelope(), lane="bulk")
+    assert {r["lane"] for r in reception_records(QUEUE_ID, bulk, received_at=WHEN)} == {"bulk"}
+    (record,) = attempt_records(
+        dataclasses.replace(delivery(), lane="bulk"),
+        [result(Outcome.DELIVERED, Reply(250, "2.0.0", "Ok"))],
+    )
+    assert record["lane"] == "bulk"
 
 
 def test_each_outcome_has_its_event_type_and_the_reply() -> None:

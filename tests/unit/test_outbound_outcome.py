@@ -30,6 +30,7 @@ def judged(
     attempts: int = 1,
     queued_ago: float = 60,
     last_reply: Reply | None = None,
+    max_age: float | None = None,
 ) -> tuple[Outcome, str | None, str | None, datetime | None]:
     recipient = ClaimedRecipient(
         id=uuid.uuid4(),
@@ -57,6 +58,7 @@ def judged(
         now=NOW,
         settings=SETTINGS,
         rng=random.Random(7),
+        max_age=max_age,
     )
     assert (out.recipient_id, out.attempt, out.mx_host) == (recipient.id, attempts, PEER.host)
     return out.outcome, out.category, out.rule, out.next_attempt_at
@@ -114,3 +116,13 @@ def test_the_same_local_failure_on_every_attempt_bounces_but_a_database_blip_nev
     )
     blip = KeysUnavailable("cannot process this message")
     assert judged(blip, "connect", last_reply=previous)[0] == X
+
+
+def test_a_lane_max_age_replaces_delivery_max_age() -> None:
+    """Queued two hours ago: within delivery.max_age (1 day), past a lane's 1 hour (the engine
+    passes Settings.max_age_of the delivery's lane)."""
+    later = Reply(451, "4.7.1", "greylisted")
+    assert judged(later, "rcpt", queued_ago=7200)[0] == X
+    outcome, _category, rule, next_at = judged(later, "rcpt", queued_ago=7200, max_age=3600)
+    assert (outcome, next_at) == (E, None) and rule is not None and "max-age" in rule
+    assert judged(later, "rcpt", queued_ago=60, max_age=3600)[0] == X
