@@ -11,8 +11,9 @@ from pigeon_mta.store.executor import Executor
 
 # ---------------------------------------------------------------- expiry
 
-# Reads only due rows (through recipient_due): mail that is not due waits for its next attempt,
-# where the engine's own max_age check expires it. A lane's max_age ($5, by the lane names of $4,
+# Reads only live rows older than the shortest max_age (a range of recipient_live, by created_at),
+# and of those only due ones: mail that is not due waits for its next attempt, where the engine's
+# own max_age check expires it. A lane's max_age ($5, by the lane names of $4,
 # with its text $6) replaces delivery.max_age ($1, $3) for the rows of that lane; $7, the
 # shortest of them, bounds created_at for every row, so that rows too young for any lane are
 # passed over at once.
