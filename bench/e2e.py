@@ -117,6 +117,10 @@ class Cpu:
         out["postgresql"] = sum(cpu_seconds(p) - self.pg_start.get(p, 0.0) for p in self.pg_pids())
         return out
 
+    def postgresql(self) -> dict[int, float]:
+        """PostgreSQL's CPU seconds by process."""
+        return {p: cpu_seconds(p) - self.pg_start.get(p, 0.0) for p in self.pg_pids()}
+
     def per_process(self, pids: list[int]) -> list[float]:
         return [cpu_seconds(p) - self.start[p] for p in pids]
 
@@ -459,6 +463,7 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
                 break
         finished = time.monotonic()
         used = cpu.used()
+        pg_used = cpu.postgresql()
         wall = finished - began
         accepted = int(await conn.fetchval("SELECT count(*) FROM message"))
         e2e_done = await delivered(conn)
@@ -484,7 +489,10 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
             "load_stderr": (load.stderr.read().decode()[-300:] if load.stderr else ""),
         }
         if statements:
-            results["phase1_postgresql"] = await pg_profile.report(conn, e2e_done, args.statements)
+            results["phase1_postgresql"] = {
+                "cpu_ms_per_msg": await pg_profile.cpu_by_role(conn, pg_used, e2e_done),
+                **await pg_profile.report(conn, e2e_done, args.statements),
+            }
         # ---------------- phase 2: latency at half rate
         rate = args.half_rate or max(10.0, results["phase1"]["e2e_rate"] / 2)  # type: ignore[index]
         count = int(rate * args.latency_seconds)

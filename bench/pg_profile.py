@@ -58,6 +58,39 @@ async def reset(conn: asyncpg.Connection) -> None:
     await conn.execute("SELECT pg_stat_reset()")
 
 
+_ACTIVITY = """
+SELECT pid, backend_type, datname, left(query, 30) AS query FROM pg_stat_activity
+"""
+_ENQUEUE_PREFIXES = ("WITH u AS", "WITH d AS", "WITH m AS")
+
+
+async def cpu_by_role(
+    conn: asyncpg.Connection, used: dict[int, float], messages: int
+) -> dict[str, float]:
+    """Milliseconds of CPU per message by kind of server process, from each process's CPU
+    (`used`, by pid): background processes by their type; client backends as the submission
+    path's commits (their last statement an enqueue), the bench's own, or the engine and
+    everything else the service runs (claims, records, maintenance)."""
+    await conn.execute("SELECT pg_stat_clear_snapshot()")
+    bench = int(await conn.fetchval("SELECT pg_backend_pid()"))
+    database = await conn.fetchval("SELECT current_database()")
+    kinds: dict[int, str] = {}
+    for r in await conn.fetch(_ACTIVITY):
+        if r["backend_type"] != "client backend":
+            kinds[r["pid"]] = r["backend_type"]
+        elif r["pid"] == bench or r["datname"] != database:
+            kinds[r["pid"]] = "the bench's connections"
+        elif str(r["query"]).lstrip().startswith(_ENQUEUE_PREFIXES):
+            kinds[r["pid"]] = "submission commits"
+        else:
+            kinds[r["pid"]] = "engine and the rest of the service"
+    out: dict[str, float] = {}
+    for pid, seconds in used.items():
+        kind = kinds.get(pid, "postmaster")
+        out[kind] = out.get(kind, 0.0) + seconds
+    return {k: round(v * 1000 / max(1, messages), 4) for k, v in sorted(out.items())}
+
+
 _STATEMENTS = """
 SELECT left(regexp_replace(query, '\\s+', ' ', 'g'), $2) AS query, calls, rows,
        round(total_exec_time::numeric, 1) AS exec_ms,
