@@ -13,11 +13,11 @@ The decision is made in the enqueue statement itself, on the primary key of `sub
 commit and then finds its entries, so one message is queued. The message row, its new recipients,
 the entries and the duplicates' records are one statement, one commit, as in store/queue.py.
 
-Almost every message is new, so it is first written with plain INSERTs of its entries, which cost
-PostgreSQL a third of what INSERT ... ON CONFLICT and the duplicates' bookkeeping cost it (bench/
-README.md, "PostgreSQL's CPU"). An entry already there (a duplicate, an ended window not pruned yet,
-a twin in parallel or in the same batch) makes that statement fail on the primary key, having
-written nothing; then the statement with ON CONFLICT decides.
+Almost every message is new, so it is first written with plain INSERTs of its entries: they add
+half as much to PostgreSQL's CPU per message as INSERT ... ON CONFLICT and the duplicates'
+bookkeeping do (bench/README.md, "PostgreSQL's CPU per message"). An entry already there (a duplicate, an ended
+window not pruned yet, a twin in parallel or in the same batch) makes that statement fail on the
+primary key, having written nothing; then the statement with ON CONFLICT decides.
 """
 
 from __future__ import annotations
