@@ -43,6 +43,7 @@ import asyncpg
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from bench import pg_profile  # noqa: E402
 from tests.peers.dns_server import DnsServer  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -85,18 +86,6 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
-def pids_named(name: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "comm").read_text().strip() == name:
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
 def machine_cpu() -> tuple[float, float]:
     """(busy, steal) CPU seconds of the whole machine since boot, from /proc/stat: busy is what
     ran here, steal what the host gave to others while this VM wanted to run."""
@@ -108,14 +97,16 @@ def machine_cpu() -> tuple[float, float]:
 class Cpu:
     """CPU seconds used by groups of processes between two readings, and by the whole machine.
 
-    PostgreSQL is read by process name at both ends: a backend that existed at the start counts
-    from its reading then, one started during the phase (a new pool connection) from zero."""
+    PostgreSQL's processes (those of the bench's server only, `pg_pids`) are listed at both ends:
+    a backend that existed at the start counts from its reading then, one started during the phase
+    (a new pool connection) from zero."""
 
-    def __init__(self, groups: dict[str, list[int]]) -> None:
+    def __init__(self, groups: dict[str, list[int]], pg_pids: Callable[[], list[int]]) -> None:
         self.groups = groups
+        self.pg_pids = pg_pids
         self.began = time.monotonic()
         self.start = {p: cpu_seconds(p) for pids in groups.values() for p in pids}
-        self.pg_start = {p: cpu_seconds(p) for p in pids_named("postgres")}
+        self.pg_start = {p: cpu_seconds(p) for p in pg_pids()}
         self.machine_start = machine_cpu()
 
     def used(self) -> dict[str, float]:
@@ -123,10 +114,12 @@ class Cpu:
             group: sum(cpu_seconds(p) - self.start[p] for p in pids)
             for group, pids in self.groups.items()
         }
-        out["postgresql"] = sum(
-            cpu_seconds(p) - self.pg_start.get(p, 0.0) for p in pids_named("postgres")
-        )
+        out["postgresql"] = sum(cpu_seconds(p) - self.pg_start.get(p, 0.0) for p in self.pg_pids())
         return out
+
+    def postgresql(self) -> dict[int, float]:
+        """PostgreSQL's CPU seconds by process."""
+        return {p: cpu_seconds(p) - self.pg_start.get(p, 0.0) for p in self.pg_pids()}
 
     def per_process(self, pids: list[int]) -> list[float]:
         return [cpu_seconds(p) - self.start[p] for p in pids]
@@ -316,6 +309,13 @@ async def main() -> None:
         help="limits.duplicate_window (default: the config's own); smtp-source sends a Message-ID, "
         "so every message takes the duplicate check unless this is 0",
     )
+    parser.add_argument(
+        "--statements",
+        type=int,
+        default=0,
+        help="report phase 1's N costliest statements per message (the server must load "
+        "pg_stat_statements), WAL and rows written per table",
+    )
     args = parser.parse_args()
     for tool in ("smtp-source", "smtp-sink"):
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
@@ -397,6 +397,8 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
     conn = await asyncpg.connect(db_url)
     fsync = await conn.fetchval("SHOW fsync")
     sync_commit = await conn.fetchval("SHOW synchronous_commit")
+    pg_pids = await pg_profile.server_processes(conn)
+    statements = args.statements > 0 and await pg_profile.statements_available(conn)
     try:
         deadline = time.monotonic() + 60
         while (work / "serve.log").read_text().count("listener relay bound") < args.processes:
@@ -410,12 +412,15 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
         ]
         # ---------------- phase 1: capacity
         xacts = await transactions(conn)
+        if statements:
+            await pg_profile.reset(conn)
         cpu = Cpu(
             {
                 "pigeon supervisor": [serve.pid],
                 "pigeon workers": workers,
                 "smtp-sink": [sink.pid],
-            }
+            },
+            pg_pids,
         )
         began = time.monotonic()
         load = subprocess.Popen(
@@ -458,6 +463,7 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
                 break
         finished = time.monotonic()
         used = cpu.used()
+        pg_used = cpu.postgresql()
         wall = finished - began
         accepted = int(await conn.fetchval("SELECT count(*) FROM message"))
         e2e_done = await delivered(conn)
@@ -472,6 +478,7 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
             "wall_s": round(wall, 1),
             "cpu_s": {k: round(v, 1) for k, v in used.items()},
             "cores_busy": {k: round(v / wall, 2) for k, v in used.items()},
+            "postgresql_cpu_ms_per_message": round(used["postgresql"] * 1000 / max(1, e2e_done), 3),
             # Every transaction of the run (the bench's own polling included: 2 per 0.25 s).
             "db_transactions_per_message": round(
                 (await transactions(conn) - xacts) / max(1, e2e_done), 2
@@ -481,6 +488,11 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
             "connections_open": reuses.get("pigeon_outbound_connections_open", 0),
             "load_stderr": (load.stderr.read().decode()[-300:] if load.stderr else ""),
         }
+        if statements:
+            results["phase1_postgresql"] = {
+                "cpu_ms_per_msg": await pg_profile.cpu_by_role(conn, pg_used, e2e_done),
+                **await pg_profile.report(conn, e2e_done, args.statements),
+            }
         # ---------------- phase 2: latency at half rate
         rate = args.half_rate or max(10.0, results["phase1"]["e2e_rate"] / 2)  # type: ignore[index]
         count = int(rate * args.latency_seconds)
@@ -492,7 +504,8 @@ delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
                 "pigeon supervisor": [serve.pid],
                 "pigeon workers": workers,
                 "smtp-sink": [sink.pid],
-            }
+            },
+            pg_pids,
         )
         load_cpu_before = time.process_time()
         await paced_load(relay_port, rate, count, args.sessions, args.size)

@@ -8,11 +8,18 @@ transactions (Postfix does above its recipient limit) must still reach everyone.
 the client supplied counts (the handler says so through `Envelope.duplicate_window`); addresses
 compare as the suppression list compares them, by PostgreSQL's lower().
 
-The decision is made in the enqueue statement itself, by INSERT ... ON CONFLICT on the primary key
-of `submission_dedup` (migration 0016): of two identical submissions in parallel, the second waits
-for the first one's commit and then finds its entries, so one message is queued. The message row,
-its new recipients, the entries and the duplicates' records are one statement, one commit, as in
-store/queue.py.
+The decision is made in the enqueue statement itself, on the primary key of `submission_dedup`
+(migration 0016): of two identical submissions in parallel, the second waits for the first one's
+commit and then finds its entries, so one message is queued. The message row, its new recipients,
+the entries and the duplicates' records are one statement, one commit, as in store/queue.py.
+
+Almost every message is new, so it is first written with plain INSERTs of its entries: they add
+half as much to PostgreSQL's CPU per message as INSERT ... ON CONFLICT and the duplicates'
+bookkeeping do (bench/README.md, "PostgreSQL's CPU per message"). An entry already there (a duplicate, an ended
+window not pruned yet, a twin in parallel or in the same batch) makes that statement fail on the
+primary key, having written nothing; then the statement with ON CONFLICT decides. PostgreSQL's own
+log shows that failure as an ERROR (a duplicate key in submission_dedup_pkey), once per duplicate
+submission.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+
+import asyncpg
 
 from pigeon_mta.ids import new_ids
 from pigeon_mta.model import Envelope
@@ -54,6 +63,31 @@ def _checked(envelope: Envelope) -> bool:
     return bool(envelope.duplicate_window > 0 and envelope.header_message_id)
 
 
+# The entries of the plain statements (store/queue.py's enqueue with `before`), in key order so that
+# concurrent statements take their locks in one order. No ON CONFLICT: an entry already there, or
+# twice in the statement, fails it on the primary key (PRIMARY_KEY), and _ENQUEUE_ONE or
+# _ENQUEUE_MANY below decides. The parameters are theirs.
+_NEW_ENTRIES_ONE = """d AS (
+    INSERT INTO submission_dedup (org_id, message_key, address, queue_id, expires_at)
+    SELECT $2::uuid, $19::uuid, lower(a), $1::uuid, now() + make_interval(secs => $20::float8)
+    FROM unnest($13::text[]) AS a
+    ORDER BY 3
+), """
+_NEW_ENTRIES_MANY = """d AS (
+    INSERT INTO submission_dedup (org_id, message_key, address, queue_id, expires_at)
+    SELECT u.org_id, u.message_key, lower(v.address), u.id,
+           now() + make_interval(secs => u.window_secs)
+    FROM unnest($1::uuid[], $2::uuid[], $20::uuid[], $21::float8[])
+         AS u (id, org_id, message_key, window_secs)
+    JOIN unnest($13::uuid[], $14::text[]) AS v (message_id, address) ON v.message_id = u.id
+    WHERE u.message_key IS NOT NULL
+    ORDER BY 1, 2, 3
+), """
+_ENQUEUE_NEW_ONE = store_queue.enqueue_statement(many=False, before=_NEW_ENTRIES_ONE)
+_ENQUEUE_NEW_MANY = store_queue.enqueue_statement(many=True, before=_NEW_ENTRIES_MANY)
+PRIMARY_KEY = "submission_dedup_pkey"
+
+
 # An entry still in force keeps its message and its expiry; one whose window has ended is taken
 # over by the message queued now. The UPDATE happens on every conflict (rare: only duplicates),
 # because only an updated row is RETURNED, and the statement needs the original's queue id.
@@ -70,7 +104,7 @@ _TAKE_OVER = """
 _ENQUEUE_ONE = f"""
 WITH d AS (
     INSERT INTO submission_dedup AS s (org_id, message_key, address, queue_id, expires_at)
-    SELECT DISTINCT $2::uuid, $18::uuid, lower(a), $1::uuid, now() + make_interval(secs => $19)
+    SELECT DISTINCT $2::uuid, $19::uuid, lower(a), $1::uuid, now() + make_interval(secs => $20)
     FROM unnest($13::text[]) AS a
     ORDER BY 3
     {_TAKE_OVER}
@@ -85,7 +119,7 @@ WITH d AS (
                          tls_version, tls_cipher, lane)
     SELECT $1, $2, $3::text, $4::text, $5::int, $6::bytea, $7::text, $8::inet, $9::text,
            $10::uuid, $11::text, COALESCE($15::timestamptz, now()), $16::text, $17::text,
-           $20::text
+           $18::text
     WHERE EXISTS (SELECT 1 FROM k WHERE k.owner = $1)
     RETURNING id, org_id, received_at, lane
 ), r AS (
@@ -197,42 +231,52 @@ async def enqueue_submitted(
     for _queue_id, envelope in batch:
         if not envelope.recipients:
             raise ValueError("a message needs at least one recipient")
-    if len(batch) == 1:
-        queue_id, e = batch[0]
-        rows = await db.fetch(
-            _ENQUEUE_ONE,
-            queue_id,
-            e.org_id,
-            e.sender,
-            e.header_message_id,
-            len(e.body),
-            e.body,
-            e.listener,
-            e.client_ip,
-            e.client_helo,
-            e.credential_id,
-            e.auth_user,
-            new_ids(len(e.recipients)),
-            list(e.recipients),
-            [recipient_domain(r) for r in e.recipients],
-            e.received_at,
-            e.tls_version,
-            e.tls_cipher,
-            message_key(e.header_message_id or ""),
-            float(e.duplicate_window),
-            e.lane,
-        )
-    else:
-        rows = await db.fetch(_ENQUEUE_MANY, *_many_arguments(batch))
+    one = len(batch) == 1
+    arguments = _one_arguments(*batch[0]) if one else _many_arguments(batch)
+    # A failed statement would abort the caller's transaction with it: inside one, no first try.
+    if isinstance(db, asyncpg.Pool) or not db.is_in_transaction():
+        try:
+            await db.execute(_ENQUEUE_NEW_ONE if one else _ENQUEUE_NEW_MANY, *arguments)
+            return {}
+        except asyncpg.UniqueViolationError as exc:
+            if exc.constraint_name != PRIMARY_KEY:
+                raise
     found: dict[uuid.UUID, Duplicates] = {}
-    for row in rows:
+    for row in await db.fetch(_ENQUEUE_ONE if one else _ENQUEUE_MANY, *arguments):
         queue_id = row["message_id"]
         duplicates = found.setdefault(queue_id, Duplicates({}, row["reply_id"]))
         duplicates.originals[row["address"]] = row["original_id"]
     return found
 
 
-def _many_arguments(batch: Sequence[tuple[uuid.UUID, Envelope]]) -> list[Sequence[object]]:
+def _one_arguments(queue_id: uuid.UUID, e: Envelope) -> list[object]:
+    """The parameters of _ENQUEUE_ONE: the plain enqueue's ($1-$18), then the key and window
+    ($19, $20)."""
+    return [
+        queue_id,
+        e.org_id,
+        e.sender,
+        e.header_message_id,
+        len(e.body),
+        e.body,
+        e.listener,
+        e.client_ip,
+        e.client_helo,
+        e.credential_id,
+        e.auth_user,
+        new_ids(len(e.recipients)),
+        list(e.recipients),
+        [recipient_domain(r) for r in e.recipients],
+        e.received_at,
+        e.tls_version,
+        e.tls_cipher,
+        e.lane,
+        message_key(e.header_message_id or ""),
+        float(e.duplicate_window),
+    ]
+
+
+def _many_arguments(batch: Sequence[tuple[uuid.UUID, Envelope]]) -> list[object]:
     """The parameters of _ENQUEUE_MANY: the plain batch enqueue's ($1-$19), then each message's
     key and window ($20, $21)."""
     return [

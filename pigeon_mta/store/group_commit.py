@@ -34,9 +34,12 @@ class _Waiting:
     committed: asyncio.Future[Duplicates | None]
 
 
-# Statements under way at once (more than one keeps PostgreSQL's own group commit busy while a
-# batch is being sent); also the size of a worker's commit pool (store.connect.commit_pool).
-MAX_COMMITS = 2
+# Statements under way at once per process; also the size of a worker's commit pool
+# (store.connect.commit_pool). One: the messages that finish while a commit runs share the next
+# statement instead of half of them going alone into a second one. A lone message costs PostgreSQL
+# about three times the CPU of a message in a batch (bench/README.md, "PostgreSQL's CPU per
+# message"), and the processes of `serve` still keep several commits under way.
+MAX_COMMITS = 1
 
 
 class GroupCommit:

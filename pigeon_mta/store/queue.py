@@ -27,8 +27,9 @@ def recipient_domain(address: str) -> str:
 # (Data-modifying CTEs run whether or not the final SELECT reads them.) A lone message, the common
 # case (group commits form only when commits are already busy), has a statement of its own with
 # plain parameters: the array form costs it 10-25% of the enqueue rate (bench/README.md, "Queue").
+# `before`: CTEs written in the same statement (store/duplicates.py's entries), each ending in ", ".
 _ENQUEUE_ONE_TEMPLATE = """
-WITH m AS (
+WITH {before}m AS (
     INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
                          client_ip, client_helo, credential_id, auth_user, received_at,
                          tls_version, tls_cipher, lane)
@@ -44,7 +45,7 @@ WITH m AS (
 SELECT {final}
 """
 _ENQUEUE_MANY_TEMPLATE = """
-WITH m AS (
+WITH {before}m AS (
     INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
                          client_ip, client_helo, credential_id, auth_user, received_at,
                          tls_version, tls_cipher, lane)
@@ -69,10 +70,18 @@ WITH m AS (
 SELECT {final}
 """
 _NOTIFY = f"pg_notify('{NOTIFY_CHANNEL}', '')"
-_ENQUEUE_ONE = _ENQUEUE_ONE_TEMPLATE.format(final=_NOTIFY)
-_ENQUEUE_ONE_QUIET = _ENQUEUE_ONE_TEMPLATE.format(final="1")
-_ENQUEUE_MANY = _ENQUEUE_MANY_TEMPLATE.format(final=_NOTIFY)
-_ENQUEUE_MANY_QUIET = _ENQUEUE_MANY_TEMPLATE.format(final="1")
+_ENQUEUE_ONE = _ENQUEUE_ONE_TEMPLATE.format(before="", final=_NOTIFY)
+_ENQUEUE_ONE_QUIET = _ENQUEUE_ONE_TEMPLATE.format(before="", final="1")
+_ENQUEUE_MANY = _ENQUEUE_MANY_TEMPLATE.format(before="", final=_NOTIFY)
+_ENQUEUE_MANY_QUIET = _ENQUEUE_MANY_TEMPLATE.format(before="", final="1")
+
+
+def enqueue_statement(*, many: bool, before: str) -> str:
+    """The quiet enqueue of one message (parameters as `enqueue_many` passes them, $1-$18) or of
+    several (`batch_columns`, $1-$19), with `before` written in the same statement."""
+    return (_ENQUEUE_MANY_TEMPLATE if many else _ENQUEUE_ONE_TEMPLATE).format(
+        before=before, final="1"
+    )
 
 
 async def enqueue(
