@@ -19,6 +19,7 @@ from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.observability.exposition import MetricsExposition, MultiprocessSetupError
 from pigeon_mta.observability.health import Readiness
 from pigeon_mta.observability.http import ObservabilityServer
+from pigeon_mta.store import budgets as store_budgets
 from pigeon_mta.store import connect as store_connect
 from pigeon_mta.store import credentials as store_credentials
 from pigeon_mta.store import leases as store_leases
@@ -32,8 +33,8 @@ log = logging.getLogger("pigeon_mta.serve")
 async def prepare_database(
     settings: Settings, url: str, run: node.NodeRun, lock: node.DataDirLock
 ) -> None:
-    """Migrate, create the trusted org, take the node name, free the leases of the node's earlier
-    runs. Runs once per node start."""
+    """Migrate, create the trusted org, take the node name, free the leases and budget slots of
+    the node's earlier runs. Runs once per node start."""
     conn = await store_connect.connect(url, settings)
     try:
         applied = await store_migrate.migrate(conn)
@@ -51,6 +52,7 @@ async def prepare_database(
                 freed,
                 run.name,
             )
+        await store_budgets.free_slots_of_gone_runs(conn, run.name, run.lease_owner)
     finally:
         await conn.close()
 

@@ -265,11 +265,15 @@ class DestinationSettings:
 
     # TLS policy for this destination ("" uses delivery.tls).
     tls: Literal["", "none", "opportunistic", "required", "verify"] = ""
-    # Transactions in flight at once to this destination, per process (0: destination_concurrency).
+    # SMTP sessions open at once to this destination, pooled idle ones included, for the whole
+    # cluster: every process on every node together (0: delivery.destination_concurrency, which
+    # holds per process).
     concurrency: int = 0
-    # Messages per second to this destination, per process, as a token bucket (0: no limit).
+    # Messages per second to this destination for the whole cluster, as a token bucket shared
+    # in the database (0: no limit).
     rate: float = 0.0
-    # Messages the bucket lets through at once after a quiet spell (0: one second's worth).
+    # Messages the cluster's bucket lets through at once after a quiet spell (0: one second's
+    # worth).
     burst: int = 0
     # Messages per connection (0: delivery.max_messages_per_connection).
     max_messages_per_connection: int = 0
@@ -334,9 +338,20 @@ class DeliverySettings:
     # certificate, so whoever sits between this node and the relayhost can collect it. Warned
     # about at start and by check-config. Never over plaintext.
     relayhost_auth_insecure: bool = False
-    # A delivery that would wait longer than this for its destination's concurrency or rate limit
-    # goes back to the queue until the destination has room (not counted as an attempt).
+    # A delivery that would wait longer than this for its destination's per-process concurrency
+    # (destination_concurrency) goes back to the queue until the destination has room (not
+    # counted as an attempt). Mail held by a cluster budget (a destination's rate or concurrency,
+    # a lane's or an org's rate) never waits: it goes back at once, due when the budget has room.
     throttle_wait: Duration = Duration(5)
+    # A throttling reply from a destination (classified rate-limited, e.g. 421 4.7.0, Gmail's
+    # 4.7.28, Microsoft's 4.7.650) multiplies its effective rate and concurrency by this, for the
+    # whole cluster (at least 1 message/s and 1 session; one decrease per second at most).
+    backoff_factor: float = 0.5
+    # After this long without a throttling reply, the effective rate and concurrency go up by
+    # backoff_step times their configured values (for a destination without any, what was being
+    # sent when the throttling began), each quiet period again until they are back.
+    backoff_quiet: Duration = Duration(30)
+    backoff_step: float = 0.1
     # Per-destination policy, keyed by a recipient domain or a shell-style pattern matched against
     # the recipient domain and the names of its MX hosts ("*.google.com" groups every domain that
     # Google hosts). See DestinationSettings.

@@ -349,6 +349,12 @@ def _check_outbound(delivery: DeliverySettings) -> None:
     for pattern, dest in delivery.destination.items():
         if dest.rate < 0:
             raise ConfigError(f"'delivery.destination.{pattern}.rate' must not be negative")
+    if not 0 < delivery.backoff_factor < 1:
+        raise ConfigError("'delivery.backoff_factor' must be more than 0 and less than 1")
+    if not 0 < delivery.backoff_step <= 1:
+        raise ConfigError("'delivery.backoff_step' must be more than 0 and at most 1")
+    if delivery.backoff_quiet <= 0:
+        raise ConfigError("'delivery.backoff_quiet' must be more than zero")
 
 
 def _check_submission(settings: Settings) -> None:

@@ -82,6 +82,24 @@ OUTBOUND_CONNECTIONS_OPEN = Gauge(
 OUTBOUND_CONNECTION_REUSES = Counter(
     "pigeon_outbound_connection_reuses", "Outbound transactions that reused an open connection"
 )
+# Budgets (outbound/budgets.py). `budget` and `destination` carry a configured destination's key
+# ("destination:pattern:*.google.com"), else "destination" / "other"; "lane", "org": bounded.
+BUDGET_POSTPONED = Counter(
+    "pigeon_budget_postponed",
+    "Deliveries handed back unattempted for want of budget (reason: rate, concurrency, backoff, "
+    "unavailable)",
+    ["budget", "reason"],
+)
+DESTINATION_THROTTLING = Counter(
+    "pigeon_destination_throttling_replies",
+    "Throttling replies (rate-limited) from destinations, each lowering their budget",
+    ["destination"],
+)
+BUDGETS_BACKING_OFF = Gauge(
+    "pigeon_budgets_backing_off",
+    "Destinations backing off after throttling replies, cluster-wide",
+    multiprocess_mode="mostrecent",
+)
 DKIM_SIGNATURES = Counter("pigeon_dkim_signatures", "DKIM signatures made", ["algorithm"])
 DKIM_UNSIGNED = Counter(
     "pigeon_dkim_unsigned",

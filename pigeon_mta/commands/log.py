@@ -169,9 +169,10 @@ def state_text(r: RecipientRecord, now: datetime) -> str:
             else f"next attempt {_time(r.next_attempt_at)} UTC "
             f"(in {format_age((r.next_attempt_at - now).total_seconds())})"
         )
+        waits = f"; {r.postponed}" if r.postponed else ""
         if r.attempts == 0:
-            return f"queued, not tried yet; {when}"
-        return f"deferred after {tries}; {when}{last}"
+            return f"queued, not tried yet; {when}{waits}"
+        return f"deferred after {tries}; {when}{waits}{last}"
     if r.status == "delivering":
         return f"being delivered now (attempt {r.attempts})"
     if r.status == "delivered":

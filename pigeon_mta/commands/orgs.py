@@ -1,8 +1,9 @@
-"""`org add`, `org list`, `org remove`."""
+"""`org add`, `org list`, `org set`, `org remove`."""
 
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 import asyncpg
@@ -22,6 +23,16 @@ def register(sub: Any) -> None:
     p = org.add_parser("list", help="list orgs")
     add_common(p)
     p.set_defaults(handler=cmd_list)
+    p = org.add_parser("set", help="change an org's settings")
+    add_common(p)
+    p.add_argument("name")
+    p.add_argument(
+        "--rate",
+        required=True,
+        metavar="N",
+        help="messages per second the org sends, all its nodes and processes together (0 = none)",
+    )
+    p.set_defaults(handler=cmd_set)
     p = org.add_parser(
         "remove",
         help="delete an org with its users, domains, DKIM keys, suppression list and mail",
@@ -61,7 +72,28 @@ async def cmd_add(args: argparse.Namespace) -> int:
 async def cmd_list(args: argparse.Namespace) -> int:
     async with open_database(args) as (_settings, conn):
         orgs = await store_orgs.list_orgs(conn)
-    print_rows(args, [vars(o) for o in orgs], ["name", "id", "created_at"])
+    print_rows(args, [vars(o) for o in orgs], ["name", "id", "rate", "created_at"])
+    return 0
+
+
+def parse_rate(text: str) -> float:
+    """A rate in messages per second: a finite number, not negative."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise CliError(f"--rate: {text!r} is not a number of messages per second") from None
+    if not math.isfinite(rate) or rate < 0 or rate > 1e9:
+        raise CliError(f"--rate: {text!r} must be 0 (no limit) or a positive number up to 1e9")
+    return rate
+
+
+async def cmd_set(args: argparse.Namespace) -> int:
+    rate = parse_rate(args.rate)
+    async with open_database(args) as (_settings, conn):
+        org = await store_orgs.set_org_rate(conn, args.name, rate)
+    if org is None:
+        raise CliError(f"there is no org '{args.name}'")
+    print_object(args, {"org": org.name, "id": org.id, "rate": org.rate})
     return 0
 
 

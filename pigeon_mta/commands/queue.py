@@ -7,6 +7,7 @@ import dataclasses
 import json
 import uuid
 from collections.abc import Iterable
+from datetime import UTC, datetime
 from typing import Any
 
 from pigeon_mta.commands.common import (
@@ -23,6 +24,7 @@ from pigeon_mta.commands.common import (
 from pigeon_mta.commands.suppress import org_named
 from pigeon_mta.config import Duration
 from pigeon_mta.store import admin_queue
+from pigeon_mta.store import budgets as store_budgets
 from pigeon_mta.store.admin_queue import Selection
 
 REPLY_WIDTH = 60  # table cells; --json gives the whole reply
@@ -136,9 +138,12 @@ def _is_uuid(value: str) -> bool:
 async def cmd_summary(args: argparse.Namespace) -> int:
     async with open_database(args) as (settings, conn):
         summary = await admin_queue.queue_summary(conn, top=args.top, exact=args.exact)
+        budgets = await store_budgets.list_budgets(conn)
     lanes = lane_rows(summary, settings.lanes)
     if args.json:
-        print(json.dumps(jsonable({**summary_object(summary), "lanes": lanes}), indent=2))
+        data = {**summary_object(summary), "lanes": lanes}
+        data["budgets"] = [dataclasses.asdict(b) for b in budgets]
+        print(json.dumps(jsonable(data), indent=2))
         return 0
     print_rows(args, summary_rows(summary), ["status", "recipients"])
     print()
@@ -168,7 +173,52 @@ async def cmd_summary(args: argparse.Namespace) -> int:
         ],
         ["destination", "deferred", "latest_reply", "at"],
     )
+    if budgets:
+        print()
+        print_rows(args, [budget_row(b) for b in budgets], BUDGET_COLUMNS)
     return 0
+
+
+BUDGET_COLUMNS = [
+    "budget",
+    "rate",
+    "effective_rate",
+    "concurrency",
+    "effective",
+    "sessions",
+    "state",
+]
+
+
+def budget_row(b: store_budgets.BudgetState) -> dict[str, Any]:
+    """A limited destination, lane or org: configured and effective limits, backoff state."""
+    kind = b.key.split(":", 1)[0]
+    # A destination's key names a pattern entry or an MX domain: the name is what matters.
+    name = b.name.removeprefix("pattern:").removeprefix("mx:")
+    state = "ok"
+    if b.backoff:
+        state = f"backing off since a throttling reply at {_clock(b.throttled_at)}"
+        if b.held_until is not None and b.held_until > datetime.now(UTC):
+            state += f", held until {_clock(b.held_until)}"
+        if b.last_reply:
+            state += f": {b.last_reply}"
+    return {
+        "budget": f"{kind} {name}",
+        "rate": _limit(b.rate),
+        "effective_rate": _limit(b.effective_rate),
+        "concurrency": _limit(b.concurrency),
+        "effective": _limit(b.effective_concurrency),
+        "sessions": b.sessions,
+        "state": _short(state),
+    }
+
+
+def _limit(value: float) -> str:
+    return f"{value:g}" if value > 0 else "-"
+
+
+def _clock(when: datetime | None) -> str:
+    return when.astimezone(UTC).strftime("%H:%M:%S") if when else "?"
 
 
 def summary_rows(summary: admin_queue.QueueSummary) -> list[dict[str, Any]]:

@@ -3,7 +3,7 @@
 A claim holds a recipient under a lease (store/leases.py: the attempt number is its fencing token).
 The ledger keeps every claim this engine holds until its outcome is recorded, renews the leases of
 long transactions so that no other worker takes their recipients meanwhile, and hands claims back
-to the queue unattempted: one destination's at a time when it has no room, all of them at stop.
+to the queue unattempted: a claim round's postponements in one statement, all of them at stop.
 """
 
 from __future__ import annotations
@@ -80,6 +80,9 @@ class Claims:
         self._held: dict[uuid.UUID, _Held] = {}
         # Claims whose whole message went out and whose transaction has no result yet.
         self._sent: set[uuid.UUID] = set()
+        # Postponed claims waiting for their batch's statement (see `postpone`).
+        self._postponing: list[tuple[ClaimedRecipient, datetime, str, asyncio.Future[None]]] = []
+        self._postponer: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
         return len(self._held)
@@ -114,23 +117,40 @@ class Claims:
         if held is not None and held.recipient.attempts == result.attempt:
             del self._held[result.recipient_id]
 
-    async def give_back(
-        self, recipients: Sequence[ClaimedRecipient], *, due_at: datetime | None = None
+    async def postpone(
+        self, recipients: Sequence[ClaimedRecipient], due_at: datetime, reason: str
     ) -> None:
-        """Release these claims unattempted, due again at once or at `due_at`, and forget them."""
-        try:
-            await store_leases.release_leases(
-                self.pool,
-                [r.id for r in recipients],
-                owner=self.owner,
-                attempts=[r.attempts for r in recipients],
-                due_at=due_at,
-            )
-        except DB_ERRORS as exc:
-            # No longer renewed, the claims run out and the lease sweeper queues them again.
-            log.warning("could not hand back %d claimed recipient(s): %s", len(recipients), exc)
-        for r in recipients:
-            self._held.pop(r.id, None)
+        """Release these claims unattempted, due at `due_at`, with the reason they wait. The
+        postponements of a claim round go back in one statement."""
+        done = asyncio.get_running_loop().create_future()
+        self._postponing.extend((r, due_at, reason, done) for r in recipients)
+        if self._postponer is None or self._postponer.done():
+            self._postponer = asyncio.create_task(self._postpone_batches(), name="postpone")
+        await asyncio.shield(done)
+
+    async def _postpone_batches(self) -> None:
+        while self._postponing:
+            await asyncio.sleep(0)  # the postponements of this moment join the batch
+            batch, self._postponing = self._postponing, []
+            try:
+                await store_leases.postpone_leases(
+                    self.pool,
+                    [r.id for r, _, _, _ in batch],
+                    owner=self.owner,
+                    attempts=[r.attempts for r, _, _, _ in batch],
+                    due_at=[due for _, due, _, _ in batch],
+                    reasons=[reason for _, _, reason, _ in batch],
+                )
+            except Exception as exc:
+                # No longer renewed, the claims run out and the lease sweeper queues them again.
+                if not isinstance(exc, DB_ERRORS):
+                    log.exception("could not hand back %d claimed recipient(s)", len(batch))
+                else:
+                    log.warning("could not hand back %d claimed recipient(s): %s", len(batch), exc)
+            for r, _, _, done in batch:
+                self._held.pop(r.id, None)
+                if not done.done():
+                    done.set_result(None)
 
     async def release_all(self) -> int:
         """At stop: every claim still held goes back to the queue now; returns how many did.

@@ -352,6 +352,10 @@ RULES: tuple[Rule, ...] = (
     rule("enhanced-tls", C.TLS, enhanced="x.7.(4|5|6|10|11)"),
     rule("enhanced-mail-flood", C.RATE_LIMITED, enhanced="x.7.28"),
     rule("enhanced-blocked-ip", C.BLOCKLISTED, enhanced="5.7.(6[0-4][0-9])"),  # Microsoft
+    # Throttling without telling words: Gmail's "421 4.7.0 Try again later, closing
+    # connection", Microsoft's 4.7.650-652 ("temporarily rate limited due to IP reputation").
+    rule("throttle-421-4.7.0", C.RATE_LIMITED, code="421", enhanced="4.7.0"),
+    rule("enhanced-rate-limited-ip", C.RATE_LIMITED, enhanced="4.7.65[0-2]"),
     rule("enhanced-security", C.POLICY, enhanced="x.7.[0-9]+"),
     # ---- only the basic code (RFC 5321 section 4.2.2)
     rule("code-closing", C.CONNECTION, code="421"),
@@ -382,3 +386,25 @@ def classify_reply(reply: Reply) -> Classification:
 def suppresses(category: str | None) -> bool:
     """Whether a hard bounce of this category puts the address on the suppression list."""
     return category in SUPPRESSING_CATEGORIES
+
+
+# ---------------------------------------------------------------- a stated retry delay
+
+# "try again in 60 seconds", "retry after 5 minutes", "please retry in 2 min": the delay a
+# throttling destination asks for, honoured as the earliest next try.
+_RETRY_DELAY = re.compile(
+    r"\b(?:try(?: again)?|retry|again)\s+(?:in|after)\s+(\d{1,6})\s*"
+    r"(seconds?|secs?|s|minutes?|mins?|m|hours?|hrs?|h)\b"
+)
+_DELAY_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+# A stated delay longer than this is taken as this (a typo or a hostile server must not park
+# mail for days).
+MAX_STATED_DELAY = 3600.0
+
+
+def stated_retry_delay(text: str) -> float | None:
+    """The retry delay a reply's text states, in seconds, or None when it states none."""
+    match = _RETRY_DELAY.search(" ".join(text.split()).lower())
+    if match is None:
+        return None
+    return min(MAX_STATED_DELAY, int(match[1]) * _DELAY_UNITS[match[2][0]])

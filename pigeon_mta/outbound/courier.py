@@ -26,8 +26,10 @@ from pigeon_mta.outbound.attempt import (
     transact,
     wire_message,
 )
-from pigeon_mta.outbound.connect import ConnectOptions
-from pigeon_mta.outbound.limits import Gate, Gates, policy_for
+from pigeon_mta.outbound.budgets import Budgets, Pass, Wait
+from pigeon_mta.outbound.classify import Category, stated_retry_delay
+from pigeon_mta.outbound.connect import ConnectionKey, ConnectOptions
+from pigeon_mta.outbound.limits import DestinationPolicy, Gate, Gates, policy_for
 from pigeon_mta.outbound.mx import Route, RouteFailure, Router
 from pigeon_mta.outbound.outcome import judge
 from pigeon_mta.outbound.pool import ConnectionPool, NotConnected
@@ -43,9 +45,11 @@ NO_PEER = Peer(None, None, None)
 
 @dataclass(frozen=True)
 class Postponed:
-    """The destination had no room: its recipients go back to the queue, unattempted, until."""
+    """The destination had no room: its recipients go back to the queue, unattempted, until;
+    `reason` is what their log shows."""
 
     until: datetime
+    reason: str = "postponed: its destination had no room"
 
 
 class Courier:
@@ -59,6 +63,7 @@ class Courier:
         router: Router,
         rng: random.Random,
         on_data_sent: Callable[[Iterable[uuid.UUID]], None],
+        budgets: Callable[[ConnectionPool], Budgets] | None = None,
     ) -> None:
         self.delivery = settings.delivery
         self.max_age_of = settings.max_age_of
@@ -72,6 +77,9 @@ class Courier:
             idle_timeout=settings.delivery.idle_timeout,
         )
         self.gates = Gates()
+        # The cluster's budgets (None: per-process limits only, as for a courier without a
+        # database).
+        self.budgets = budgets(self.connections) if budgets is not None else None
 
     async def deliver(
         self, delivery: Delivery, *, sending: Callable[[], None]
@@ -108,28 +116,84 @@ class Courier:
                 started_at,
             )
         policy = policy_for(self.delivery, delivery.domain, route)
-        entered = await self.gates.enter(policy, self.delivery.throttle_wait)
-        if not isinstance(entered, Gate):
-            wait = entered * self.rng.uniform(1.0, 1.2)
-            return Postponed(datetime.now(UTC) + timedelta(seconds=wait))
+        entered = await self._enter(delivery, policy)
+        if isinstance(entered, Postponed):
+            return entered
+        passed, gate = entered
+        budgets = self.budgets
         sending()
+        if budgets is not None:
+            budgets.throttling.sending(policy)
+        connection: list[ConnectionKey] = []
         try:
             signed = await self.sign(delivery)
             tx = await self._transaction(
-                delivery, signed.body, route, policy.tls, policy.max_messages_per_connection
+                delivery,
+                signed.body,
+                route,
+                policy.tls,
+                policy.max_messages_per_connection,
+                connection,
             )
         finally:
-            self.gates.leave(entered)
+            if gate is not None:
+                self.gates.leave(gate)
+            if budgets is not None:
+                budgets.throttling.sent(policy)
+                if passed is not None:
+                    budgets.leave(passed, connection[-1] if connection else None)
         DELIVERY_ATTEMPT_SECONDS.observe(tx.duration)
         # Started so that start + duration is when the final reply came (attempt.py).
         tx_started_at = tx.finished_at - timedelta(seconds=tx.duration)
-        return self._judge(
+        results = self._judge(
             delivery, tx.results, tx_started_at, tx.peer, tx.duration, dkim=signed.dkim
         )
+        if budgets is not None:
+            self._note_throttling(budgets, policy, results)
+        return results
+
+    async def _enter(
+        self, delivery: Delivery, policy: DestinationPolicy
+    ) -> tuple[Pass | None, Gate | None] | Postponed:
+        """Pass the destination's limits: the cluster's budgets that apply, and this process's
+        own concurrency limit when the destination has no cluster budget."""
+        budgets = self.budgets
+        passed: Pass | Wait | None = None
+        if budgets is not None and budgets.applies(delivery, policy):
+            passed = await budgets.admit(delivery, policy)
+        if isinstance(passed, Wait):
+            return Postponed(passed.until, passed.reason)
+        if passed is not None and passed.destination:
+            return passed, None
+        entered = await self.gates.enter(policy, self.delivery.throttle_wait)
+        if isinstance(entered, Gate):
+            return passed, entered
+        if passed is not None and budgets is not None:
+            budgets.leave(passed, None)
+        wait = entered * self.rng.uniform(1.0, 1.2)
+        return Postponed(datetime.now(UTC) + timedelta(seconds=wait))
+
+    @staticmethod
+    def _note_throttling(
+        budgets: Budgets, policy: DestinationPolicy, results: Sequence[AttemptResult]
+    ) -> None:
+        """A temporary rate-limited reply from the destination's server lowers its budget."""
+        for result in results:
+            if result.category == Category.RATE_LIMITED and 400 <= result.reply.code < 500:
+                delay = stated_retry_delay(result.reply.text) or 0.0
+                budgets.throttled(policy, result.reply, delay)
+                return
 
     async def _transaction(
-        self, delivery: Delivery, body: bytes, route: Route, tls: TlsPolicy, max_messages: int
+        self,
+        delivery: Delivery,
+        body: bytes,
+        route: Route,
+        tls: TlsPolicy,
+        max_messages: int,
+        used: list[ConnectionKey],
     ) -> TransactionResult:
+        """One transaction over a pooled connection; `used` gets the key of each connection."""
         message = wire_message(body)
         started = asyncio.get_running_loop().time()
         for _ in range(2):
@@ -137,6 +201,7 @@ class Courier:
             if isinstance(connected, NotConnected):
                 return not_connected(delivery.recipients, connected, started)
             reusable = False  # unless the transaction says so: an error escaping it breaks it
+            used.append(connected.connection.key)
             try:
                 tx = await transact(
                     connected,

@@ -27,6 +27,7 @@ import asyncpg
 from pigeon_mta.config import Settings
 from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.model import Delivery, Signed
+from pigeon_mta.outbound.budgets import Budgets
 from pigeon_mta.outbound.claims import Claims, group_deliveries
 from pigeon_mta.outbound.courier import Courier, Postponed, Signer
 from pigeon_mta.outbound.mx import Router
@@ -78,6 +79,7 @@ class DeliveryEngine:
             router=self.router,
             rng=rng or random.Random(),
             on_data_sent=self.claims.mark_sent,
+            budgets=lambda connections: Budgets(settings, pool, connections, self.owner),
         )
         self.connections = self.courier.connections
         self.recorder = Recorder(pool, settings, self.claims, delivery_log or DeliveryLog.open(""))
@@ -177,6 +179,8 @@ class DeliveryEngine:
             self._renewer.cancel()
             await asyncio.gather(self._renewer, return_exceptions=True)
         await self.connections.close()
+        if self.courier.budgets is not None:
+            await self.courier.budgets.close()
         if self.waker is not None:
             await self.waker.close()
         log.info("delivery engine stopped")
@@ -299,7 +303,7 @@ class DeliveryEngine:
             done = await self.courier.deliver(delivery, sending=sending)
             if isinstance(done, Postponed):
                 # The destination has no room now: back to the queue until it should have.
-                await self.claims.give_back(delivery.recipients, due_at=done.until)
+                await self.claims.postpone(delivery.recipients, done.until, done.reason)
                 return
         finally:
             sending()

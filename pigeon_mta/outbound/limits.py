@@ -3,7 +3,9 @@
 A destination is what a `[delivery.destination."PATTERN"]` entry groups (a domain, or every domain
 whose MX hosts match a pattern such as "*.google.com": traffic is shaped by the site that receives
 it, not by the recipient's domain name), else the route itself (one recipient domain, a static
-route, or the relayhost). Limits hold per worker process.
+route, or the relayhost). An entry's rate and concurrency hold for the whole cluster
+(outbound/budgets.py); the Gates here hold the per-process `destination_concurrency` of
+destinations without such a budget.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ from pigeon_mta.outbound.mx import Route
 class DestinationPolicy:
     key: str  # everything with the same key shares one concurrency limit and one bucket
     tls: TlsPolicy
-    concurrency: int
-    rate: float  # messages per second; 0 means unlimited
+    concurrency: int  # per process, for a destination without a cluster budget
+    rate: float  # messages per second for the whole cluster; 0 means unlimited
     burst: int
+    # Sessions at once for the whole cluster, when the entry sets a concurrency (0: none; the
+    # per-process `concurrency` applies instead).
+    cluster_concurrency: int
     max_messages_per_connection: int
 
 
@@ -61,6 +66,7 @@ def policy_for(delivery: DeliverySettings, domain: str, route: Route) -> Destina
         burst=dest.burst or max(1, int(dest.rate)),
         max_messages_per_connection=dest.max_messages_per_connection
         or delivery.max_messages_per_connection,
+        cluster_concurrency=dest.concurrency,
     )
 
 

@@ -21,7 +21,14 @@ from pigeon_mta import notices
 from pigeon_mta.config import DeliverySettings
 from pigeon_mta.model import AttemptResult, ClaimedRecipient, Delivery, Outcome, Reply
 from pigeon_mta.outbound.attempt import Peer, RecipientResult
-from pigeon_mta.outbound.classify import Category, Verdict, classify, classify_reply, suppresses
+from pigeon_mta.outbound.classify import (
+    Category,
+    Verdict,
+    classify,
+    classify_reply,
+    stated_retry_delay,
+    suppresses,
+)
 from pigeon_mta.signer import KeysUnavailable
 from pigeon_mta.store import leases as store_leases
 from pigeon_mta.store import suppression as store_suppression
@@ -68,6 +75,8 @@ def judge(
         if outcome != Outcome.DELIVERED:
             bounce_class = classify_reply(verdict.reply)
             category, rule = str(bounce_class.category), f"{rule}; {bounce_class.rule}"
+            if next_at is not None and bounce_class.category == Category.RATE_LIMITED:
+                next_at = _after_stated_delay(next_at, verdict.reply, now)
         out.append(
             AttemptResult(
                 recipient_id=item.recipient.id,
@@ -90,6 +99,14 @@ def judge(
             )
         )
     return out
+
+
+def _after_stated_delay(next_at: datetime, reply: Reply, now: datetime) -> datetime:
+    """A throttling destination that says when to come back is taken at its word: the next try
+    then, rather than after the usual backoff (it is the destination's state, not the
+    recipient's, that failed)."""
+    delay = stated_retry_delay(reply.text)
+    return next_at if delay is None else now + timedelta(seconds=delay)
 
 
 def split_suppressed(

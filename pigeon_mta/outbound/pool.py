@@ -14,6 +14,7 @@ import collections
 import contextlib
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pigeon_mta.config import TlsPolicy
@@ -198,6 +199,31 @@ class ConnectionPool:
     async def _notify(slot: _Slot) -> None:
         async with slot.changed:
             slot.changed.notify()
+
+    async def close_idle(self, keys: Iterable[ConnectionKey], *, keep: int) -> None:
+        """QUIT the idle connections of `keys` beyond the `keep` most recently used, and wait for
+        them: a destination's session budget counts its pooled connections, so the session must
+        be over before its slot is given back."""
+        idle = sorted(
+            (
+                (conn.idle_since, slot, conn)
+                for key in keys
+                if (slot := self._slots.get(key)) is not None
+                for conn in slot.idle
+            ),
+            key=lambda item: item[0],
+            reverse=True,
+        )
+        closing = idle[max(0, keep) :]
+        for _, slot, conn in closing:
+            slot.idle.remove(conn)
+            slot.open -= 1
+        if closing:
+            await asyncio.gather(
+                *(conn.quit(QUIT_TIMEOUT) for _, _, conn in closing), return_exceptions=True
+            )
+            for _, slot, _ in closing:
+                await self._notify(slot)
 
     def abort_busy(self) -> None:
         """Break every connection in use (shutdown past its deadline)."""

@@ -50,6 +50,8 @@ class RecipientRecord:
     last_enhanced_code: str | None
     last_response: str | None
     updated_at: datetime
+    # Why it was handed back unattempted (a budget without room, a destination backing off).
+    postponed: str | None = None
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,7 @@ async def messages_to_address(
 
 _RECIPIENTS = """
 SELECT id, message_id, address, status, attempts, next_attempt_at, last_code,
-       last_enhanced_code, last_response, updated_at
+       last_enhanced_code, last_response, updated_at, postponed
 FROM recipient WHERE message_id = ANY ($1::uuid[])
 ORDER BY message_id, address
 """
@@ -194,6 +196,7 @@ def _recipient(row: asyncpg.Record) -> RecipientRecord:
         last_enhanced_code=row["last_enhanced_code"],
         last_response=row["last_response"],
         updated_at=row["updated_at"],
+        postponed=row["postponed"],
     )
 
 

@@ -178,6 +178,7 @@ WITH v AS (
         last_code = v.code,
         last_enhanced_code = v.enhanced_code,
         last_response = v.response,
+        postponed = NULL,
         updated_at = now()
     FROM v
     WHERE r.id = v.recipient_id AND r.status = 'delivering' AND r.attempts = v.attempt
@@ -292,6 +293,35 @@ async def release_leases(
     down and the rows are due again at once, or at `due_at` (a destination with no room now, its
     rate or concurrency limit, gets them back when it should have room)."""
     tag = await db.execute(_RELEASE_FENCED, list(ids), owner, list(attempts), due_at)
+    return _count(tag)
+
+
+# Hand claims back unattempted, each due at its own time and with the reason it waits (a
+# budget without room now, a destination backing off): the engine spreads a batch's due times
+# over the budget's refill. The reason is cleared when an attempt is recorded (_RECORD).
+_POSTPONE_FENCED = """
+UPDATE recipient r
+SET status = 'queued', attempts = r.attempts - 1, lease_until = NULL, lease_owner = NULL,
+    next_attempt_at = v.due_at, postponed = v.reason, updated_at = now()
+FROM unnest($1::uuid[], $3::int[], $4::timestamptz[], $5::text[]) AS v (id, attempt, due_at, reason)
+WHERE r.id = v.id AND r.attempts = v.attempt AND r.status = 'delivering' AND r.lease_owner = $2
+"""
+
+
+async def postpone_leases(
+    db: Executor,
+    ids: Sequence[uuid.UUID],
+    *,
+    owner: str,
+    attempts: Sequence[int],
+    due_at: Sequence[datetime],
+    reasons: Sequence[str],
+) -> int:
+    """Undo these very claims like `release_leases`, each due at its `due_at`, with the reason
+    it waits."""
+    tag = await db.execute(
+        _POSTPONE_FENCED, list(ids), owner, list(attempts), list(due_at), list(reasons)
+    )
     return _count(tag)
 
 

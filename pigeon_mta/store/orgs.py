@@ -17,6 +17,7 @@ class Org:
     id: uuid.UUID
     name: str
     created_at: datetime
+    rate: float = 0.0  # messages per second for the whole cluster (0: no limit)
 
 
 class OrgExists(Exception):
@@ -56,8 +57,18 @@ async def org_name(db: Executor, org_id: uuid.UUID) -> str | None:
 
 
 async def list_orgs(db: Executor) -> list[Org]:
-    rows = await db.fetch("SELECT id, name, created_at FROM org ORDER BY name")
-    return [Org(r["id"], r["name"], r["created_at"]) for r in rows]
+    rows = await db.fetch("SELECT id, name, created_at, rate FROM org ORDER BY name")
+    return [Org(r["id"], r["name"], r["created_at"], r["rate"]) for r in rows]
+
+
+async def set_org_rate(db: Executor, name: str, rate: float) -> Org | None:
+    """Set an org's rate (its budget, store/budgets.py); None when there is no such org."""
+    row = await db.fetchrow(
+        "UPDATE org SET rate = $2 WHERE name = $1 RETURNING id, name, created_at, rate",
+        name,
+        float(rate),
+    )
+    return Org(row["id"], row["name"], row["created_at"], row["rate"]) if row else None
 
 
 # ---------------------------------------------------------------- removal

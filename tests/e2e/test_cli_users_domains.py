@@ -1,4 +1,4 @@
-"""The real command: `domain add/list`, `user add/list/disable`, as an operator runs them."""
+"""The real command: `org set`, `domain add/list`, `user add/list/disable`, as an operator runs them."""
 
 from __future__ import annotations
 
@@ -67,6 +67,10 @@ async def test_mistakes_are_one_sentence_and_nonzero(db_url: str, pool: asyncpg.
         (("user", "add", "acme", "app"), "user 'app' already exists"),
         (("user", "add", "acme", "has space"), "no spaces"),
         (("user", "disable", "ghost"), "there is no user 'ghost'"),
+        (("org", "set", "ghost", "--rate", "5"), "there is no org 'ghost'"),
+        (("org", "set", "acme", "--rate", "fast"), "is not a number of messages per second"),
+        (("org", "set", "acme", "--rate", "-1"), "must be 0 (no limit) or a positive number"),
+        (("org", "set", "acme", "--rate", "nan"), "must be 0 (no limit) or a positive number"),
     ]
     for args, expected in cases:
         code, _out, err = pigeon(db_url, *args)
@@ -168,3 +172,14 @@ async def test_passwd_enable_and_delete_a_user(db_url: str, pool: asyncpg.Pool) 
     assert await pool.fetchval("SELECT auth_user FROM message") == "app"
     for action in ("passwd", "enable", "delete"):
         assert_one_sentence(*pigeon(db_url, "user", action, "app")[::2], "there is no user 'app'")
+
+
+async def test_an_orgs_rate_is_set_and_listed(db_url: str, pool: asyncpg.Pool) -> None:
+    pigeon(db_url, "org", "add", "acme")
+    code, out, err = pigeon(db_url, "org", "set", "acme", "--rate", "12.5", "--json")
+    assert code == 0, err
+    assert json.loads(out)["rate"] == 12.5
+    code, out, _ = pigeon(db_url, "org", "list", "--json")
+    assert [(o["name"], o["rate"]) for o in json.loads(out)] == [("acme", 12.5)]
+    assert pigeon(db_url, "org", "set", "acme", "--rate", "0")[0] == 0
+    assert await pool.fetchval("SELECT rate FROM org WHERE name = 'acme'") == 0

@@ -17,9 +17,13 @@ The local part up to a "+" names the behaviour (`tempfail+7@example.test`):
                      reply (until the client goes away); afterwards accept
     hang             RCPT never gets a reply (until the client goes away)
 
+A SinkState with `throttle_above = N` answers MAIL with `421 4.7.0 Try again later` while it
+accepted N MAIL commands within the last second, as a provider throttling a sender does.
+
 A sink offers PIPELINING (RFC 2920) unless started with `pipelining=False`. It can also greet with a refusal (`greeting="421 ..."`), offer STARTTLS (trustme certificate),
 break the TLS handshake after its "220 Ready", and require AUTH. The shared SinkState counts
-connections, messages and per-recipient deliveries, and the highest number of transactions in flight.
+connections, messages and per-recipient deliveries, the highest number of transactions in flight
+and of SMTP sessions open at once (from the connection to its QUIT or loss).
 """
 
 from __future__ import annotations
@@ -60,6 +64,13 @@ class SinkState:
     auth_attempts: list[tuple[str, str, str]] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
+    sessions: int = 0
+    max_sessions: int = 0
+    # Throttling (see the module docstring): 0 = never; the times of accepted MAIL commands and
+    # of the 421 replies.
+    throttle_above: int = 0
+    mail_times: collections.deque[float] = field(default_factory=collections.deque)
+    throttled: list[float] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def deliveries(self) -> collections.Counter[str]:
@@ -115,6 +126,8 @@ class SinkHandler:
     async def handle_MAIL(
         self, server: SMTP, session: Session, envelope: Envelope, address: str, options: list[str]
     ) -> str:
+        if self.state.throttle_above and self._throttled():
+            return "421 4.7.0 Try again later, closing connection"
         envelope.mail_from = address
         envelope.mail_options.extend(options)
         if not getattr(session, "in_transaction", False):
@@ -186,6 +199,16 @@ class SinkHandler:
         received.replied_at = time.time()
         return "250 2.0.0 OK queued"
 
+    def _throttled(self) -> bool:
+        state, now = self.state, time.monotonic()
+        while state.mail_times and state.mail_times[0] < now - 1.0:
+            state.mail_times.popleft()
+        if len(state.mail_times) >= state.throttle_above:
+            state.throttled.append(now)
+            return True
+        state.mail_times.append(now)
+        return False
+
     def _first(self, kind: str, envelope: Envelope) -> bool:
         key = f"{kind}:" + ",".join(a for a in envelope.rcpt_tos if behaviour(a) == kind)
         self.state.seen[key] += 1
@@ -216,11 +239,25 @@ class SinkSMTP(SMTP):  # type: ignore[misc]
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self._original_transport is None:  # not the second call made by STARTTLS
-            self.sink_handler.state.connections[self.sink_handler.sink] += 1
-            self.sink_handler.state._note()
+            state = self.sink_handler.state
+            state.connections[self.sink_handler.sink] += 1
+            state.sessions += 1
+            state.max_sessions = max(state.max_sessions, state.sessions)
+            self.session_open = True
+            state._note()
         super().connection_made(transport)
 
+    def _session_over(self) -> None:
+        if getattr(self, "session_open", False):
+            self.session_open = False
+            self.sink_handler.state.sessions -= 1
+
+    async def smtp_QUIT(self, arg: str) -> None:
+        self._session_over()
+        await super().smtp_QUIT(arg)
+
     def connection_lost(self, error: Exception | None) -> None:
+        self._session_over()
         if self.session is not None:
             self.sink_handler._end(self.session)
         super().connection_lost(error)

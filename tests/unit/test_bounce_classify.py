@@ -10,6 +10,7 @@ from pigeon_mta.outbound.classify import (
     SUPPRESSING_CATEGORIES,
     Category,
     classify_reply,
+    stated_retry_delay,
     suppresses,
 )
 
@@ -332,6 +333,15 @@ CASES: list[tuple[int, str | None, str, Category]] = [
     (451, "4.7.1", "Please try again later", C.GREYLISTED),
     (452, "4.5.3", "Error: too many recipients", C.RATE_LIMITED),
     (421, "4.7.0", "mx.example.net Error: too many connections from 192.0.2.1", C.RATE_LIMITED),
+    # Gmail's throttle says nothing but "later"; Microsoft's 4.7.650 may come without its words.
+    (421, "4.7.0", "Try again later, closing connection. - gsmtp", C.RATE_LIMITED),
+    (
+        451,
+        "4.7.650",
+        "The mail server [192.0.2.1] has been temporarily rate limited due to IP reputation.",
+        C.RATE_LIMITED,
+    ),
+    (451, "4.7.650", "(S775)", C.RATE_LIMITED),
     (552, "5.3.4", "Message size exceeds fixed limit", C.MESSAGE_TOO_LARGE),
     (452, "4.3.1", "Insufficient system storage", C.OTHER),
     (554, "5.7.1", "Rejected by SpamAssassin: score 12.3", C.SPAM_BLOCK),
@@ -403,3 +413,20 @@ def test_only_invalid_recipients_and_bad_domains_suppress() -> None:
     assert SUPPRESSING_CATEGORIES == {C.INVALID_RECIPIENT, C.BAD_DOMAIN}
     assert suppresses("invalid-recipient") and suppresses(C.BAD_DOMAIN)
     assert not suppresses("mailbox-full") and not suppresses(None)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("4.7.0 Try again in 60 seconds", 60),
+        ("Too many messages, retry after 5 minutes", 300),
+        ("rate limited; please  try again\nin 2 min", 120),
+        ("Throttled: retry in 1 hour", 3600),
+        ("back off, try again after 10s", 10),
+        ("retry in 99999 hours", 3600),  # at most an hour, whatever a server says
+        ("Try again later, closing connection", None),
+        ("mailbox full, 5 minutes of fame", None),
+    ],
+)
+def test_a_retry_delay_stated_in_the_reply_is_found(text: str, seconds: float | None) -> None:
+    assert stated_retry_delay(text) == seconds

@@ -62,6 +62,9 @@ timeout = "3s"
             "never sent in plaintext",
         ),
         ('[delivery]\nip_preference = "ipv5"', "'delivery.ip_preference'"),
+        ("[delivery]\nbackoff_factor = 1", "'delivery.backoff_factor' must be more than 0"),
+        ("[delivery]\nbackoff_step = 0", "'delivery.backoff_step' must be more than 0"),
+        ('[delivery]\nbackoff_quiet = "0"', "'delivery.backoff_quiet' must be more than zero"),
     ],
 )
 def test_mistakes_name_their_key(tmp_path: Path, text: str, expected: str) -> None:

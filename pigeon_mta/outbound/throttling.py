@@ -1,0 +1,115 @@
+"""Throttling replies reported for the cluster, with what this process was sending at the time.
+
+A reply classified rate-limited lowers the destination's effective rate and concurrency for every
+node (store/budgets.py: multiplicatively, then additive recovery). The decrease starts from what
+was being sent: the configured limits, or, for a destination without any, this process's own rate
+and sessions there, which it keeps count of for every destination (a few dict operations per
+transaction, no statement). Replies are merged per destination and reported in one statement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import asyncpg
+
+from pigeon_mta.config import Settings
+from pigeon_mta.metrics import DESTINATION_THROTTLING
+from pigeon_mta.model import Reply
+from pigeon_mta.outbound.limits import DestinationPolicy
+from pigeon_mta.store import budgets as store
+from pigeon_mta.store.budgets import DESTINATION, Throttling
+from pigeon_mta.store.connect import DB_ERRORS
+
+log = logging.getLogger(__name__)
+
+# Throttling replies within this many seconds of a decrease are the same overload.
+DECREASE_HOLD = 1.0
+# Replies that arrive within this window share one statement.
+REPORT_WINDOW = 0.005
+# Destinations whose traffic is remembered before the record starts over.
+MAX_TRAFFIC_KEYS = 10000
+
+
+@dataclass
+class _Traffic:
+    """This process's recent sending to one destination."""
+
+    in_flight: int = 0
+    window_start: float = 0.0
+    count: int = 0
+    rate: float = 0.0  # messages a second over the last whole window
+
+    def sent(self, now: float) -> None:
+        if now - self.window_start >= 1.0:
+            self.rate = self.count / max(1.0, now - self.window_start)
+            self.window_start, self.count = now, 0
+        self.count += 1
+
+
+class ThrottlingReports:
+    """Counts this process's traffic per destination and reports throttling replies."""
+
+    def __init__(self, settings: Settings, pool: asyncpg.Pool) -> None:
+        self.delivery = settings.delivery
+        self.pool = pool
+        self._traffic: dict[str, _Traffic] = {}
+        self._reports: dict[str, Throttling] = {}
+        self._reporter: asyncio.Task[None] | None = None
+
+    def sending(self, policy: DestinationPolicy) -> None:
+        """A transaction to this destination starts."""
+        traffic = self._traffic.get(policy.key)
+        if traffic is None:
+            if len(self._traffic) >= MAX_TRAFFIC_KEYS:
+                self._traffic = {k: t for k, t in self._traffic.items() if t.in_flight}
+            traffic = self._traffic[policy.key] = _Traffic(window_start=time.monotonic())
+        traffic.in_flight += 1
+        traffic.sent(time.monotonic())
+
+    def sent(self, policy: DestinationPolicy) -> None:
+        """A transaction to this destination is over."""
+        traffic = self._traffic.get(policy.key)
+        if traffic is not None:
+            traffic.in_flight -= 1
+
+    def throttled(self, policy: DestinationPolicy, reply: Reply, retry_after: float) -> None:
+        """Report a throttling reply from this destination (in a batch, at once)."""
+        key = DESTINATION + policy.key
+        configured = policy.rate > 0 or policy.cluster_concurrency > 0
+        DESTINATION_THROTTLING.labels(destination=key if configured else "other").inc()
+        traffic = self._traffic.get(policy.key) or _Traffic()
+        earlier = self._reports.get(key)
+        self._reports[key] = Throttling(
+            key,
+            max(traffic.rate, float(traffic.count), earlier.rate if earlier else 1.0),
+            max(traffic.in_flight, earlier.concurrency if earlier else 1),
+            max(retry_after, earlier.retry_after if earlier else 0.0),
+            str(reply),
+        )
+        if self._reporter is None or self._reporter.done():
+            self._reporter = asyncio.create_task(self._report(), name="budget-throttling")
+
+    async def _report(self) -> None:
+        while self._reports:
+            await asyncio.sleep(REPORT_WINDOW)
+            reports, self._reports = list(self._reports.values()), {}
+            try:
+                await store.report_throttling(
+                    self.pool, reports, factor=self.delivery.backoff_factor, hold=DECREASE_HOLD
+                )
+            except DB_ERRORS as exc:
+                log.warning("cannot report throttling replies: %s", exc)
+                return
+            for report in reports:
+                log.info("destination %s is throttling: %s", report.key, report.reply)
+
+    async def close(self) -> None:
+        if self._reporter is not None:
+            self._reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reporter

@@ -1,0 +1,283 @@
+"""Budgets shared by the cluster: token grants, leased session slots, throttling and its backoff.
+
+A budget is a row of `budget` (migration 0018): a token bucket for a message rate and a count of
+SMTP sessions for a concurrency, each with its configured and its effective value (lower while a
+destination backs off after throttling replies). Engines never take one token or one slot at a
+time: `take_grants` serves every key a claim round needs in one call of `budget_take`, and what an
+engine holds it keeps in memory (outbound/budgets.py). Slots are leased to their holder (the
+engine's `<node>/<run>`): a holder that dies stops blocking the destination when its lease ends.
+Budgets are cross-tenant by design (a destination's budget serves every org).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from pigeon_mta.store.executor import Executor
+
+# Every key of a budget starts with its kind.
+DESTINATION = "destination:"
+LANE = "lane:"
+ORG = "org:"
+
+
+@dataclass(frozen=True)
+class GrantRequest:
+    """What an engine asks of one budget: its configuration (written into the row), the tokens
+    it needs now and the session slots it needs beyond those it holds."""
+
+    key: str
+    rate: float  # configured messages per second (0: no rate)
+    concurrency: int  # configured sessions (0: no limit)
+    burst: float
+    tokens: int
+    slots: int
+
+
+@dataclass(frozen=True)
+class Grant:
+    key: str
+    tokens: int
+    slots: int  # granted by this call
+    held: int  # slots the caller holds now, these included
+    booked_from: datetime  # the first message handed back for want of tokens is due then
+    effective_rate: float  # 0: no limit
+    effective_concurrency: int  # 0: no limit
+    held_until: datetime | None  # a retry delay the destination stated
+
+
+async def take_grants(
+    db: Executor,
+    requests: Sequence[GrantRequest],
+    *,
+    holder: str,
+    lease: float,
+    horizon: float,
+    step: float,
+    quiet: float,
+) -> dict[str, Grant]:
+    """Tokens and slots for every requested budget, in one statement (budget_take). Mail handed
+    back for want of tokens is booked at most `horizon` seconds ahead."""
+    rows = await db.fetch(
+        "SELECT * FROM budget_take($1::text[], $2::float8[], $3::int[], $4::float8[],"
+        " $5::int[], $6::int[], $7, $8, $9, $10, $11)",
+        [r.key for r in requests],
+        [float(r.rate) for r in requests],
+        [r.concurrency for r in requests],
+        [float(r.burst) for r in requests],
+        [r.tokens for r in requests],
+        [r.slots for r in requests],
+        holder,
+        float(lease),
+        float(horizon),
+        float(step),
+        float(quiet),
+    )
+    return {
+        row["key"]: Grant(
+            key=row["key"],
+            tokens=row["tokens"],
+            slots=row["slots"],
+            held=row["held"],
+            booked_from=row["booked_from"],
+            effective_rate=row["effective_rate"],
+            effective_concurrency=row["effective_concurrency"],
+            held_until=row["held_until"],
+        )
+        for row in rows
+    }
+
+
+# The slots a holder keeps, renewed for another lease, and no more than the budget allows now
+# (a backoff may have lowered its concurrency below what is held: the holder then lets its
+# sessions end until it is within). A key kept at 0 gives every slot back.
+_HOLD_SLOTS = """
+WITH v AS (
+    SELECT * FROM unnest($1::text[], $2::int[]) AS v (key, slots)
+), returned AS (
+    DELETE FROM budget_slot s USING v
+    WHERE s.key = v.key AND s.holder = $3 AND v.slots = 0
+), others AS (
+    SELECT s.key, sum(s.slots)::integer AS n FROM budget_slot s JOIN v USING (key)
+    WHERE s.holder <> $3 AND s.lease_until >= now()
+    GROUP BY s.key
+)
+UPDATE budget_slot s
+SET slots = CASE WHEN b.effective_concurrency > 0
+                 THEN least(v.slots, greatest(0, b.effective_concurrency - coalesce(o.n, 0)))
+                 ELSE v.slots END,
+    lease_until = now() + make_interval(secs => $4)
+FROM v JOIN budget b USING (key) LEFT JOIN others o USING (key)
+WHERE s.key = v.key AND s.holder = $3 AND v.slots > 0
+RETURNING s.key, s.slots
+"""
+
+
+async def hold_slots(
+    db: Executor, keep: Mapping[str, int], *, holder: str, lease: float
+) -> dict[str, int]:
+    """Keep `keep[key]` slots of each budget under a fresh lease (0 gives them all back);
+    returns what the holder may keep, which can be less, and nothing for keys it lost."""
+    if not keep:
+        return {}
+    rows = await db.fetch(_HOLD_SLOTS, list(keep), list(keep.values()), holder, float(lease))
+    return {row["key"]: row["slots"] for row in rows}
+
+
+async def free_slots_of_gone_runs(db: Executor, node_name: str, run_owner: str) -> int:
+    """At node start: the slots that earlier runs of this node name held (holders are
+    `<node>/<run>#<pid>`) are free at once instead of when their lease runs out. The node name
+    was just taken (pigeon_mta/node.py), so no other run of it is live."""
+    tag = await db.execute(
+        """DELETE FROM budget_slot
+           WHERE starts_with(holder, $1 || '/') AND NOT starts_with(holder, $2 || '#')""",
+        node_name,
+        run_owner,
+    )
+    return int(tag.rsplit(" ", 1)[-1])
+
+
+@dataclass(frozen=True)
+class Throttling:
+    """Throttling replies of one destination seen by one engine since its last report."""
+
+    key: str
+    rate: float  # what the engine was sending there (messages per second, at least 1)
+    concurrency: int  # its sessions there (at least 1)
+    retry_after: float  # a retry delay the reply stated (0: none)
+    reply: str
+
+
+# Multiplicative decrease, at most once per `hold` seconds (the replies of one overload arrive
+# together and are one signal); every reply restarts the quiet period and may set a retry delay.
+# A destination without a budget gets one, starting from what the reporting engine was sending.
+_THROTTLED = """
+INSERT INTO budget AS b (key, effective_rate, effective_concurrency, recover_rate,
+                         recover_concurrency, backoff, changed_at, throttled_at, held_until,
+                         last_reply, tokens)
+SELECT v.key, greatest(1, v.rate * $6), greatest(1, floor(v.conc * $6))::integer, v.rate, v.conc,
+       true, now(), now(),
+       CASE WHEN v.retry_after > 0 THEN now() + make_interval(secs => v.retry_after) END,
+       v.reply, 0
+FROM unnest($1::text[], $2::float8[], $3::int[], $4::float8[], $5::text[])
+    AS v (key, rate, conc, retry_after, reply)
+ON CONFLICT (key) DO UPDATE SET
+    effective_rate = CASE
+        WHEN b.backoff AND b.changed_at > now() - make_interval(secs => $7) THEN b.effective_rate
+        ELSE greatest(1, CASE WHEN b.effective_rate > 0 THEN b.effective_rate
+                              ELSE excluded.recover_rate END * $6) END,
+    effective_concurrency = CASE
+        WHEN b.backoff AND b.changed_at > now() - make_interval(secs => $7)
+            THEN b.effective_concurrency
+        ELSE greatest(1, floor(CASE WHEN b.effective_concurrency > 0 THEN b.effective_concurrency
+                                    ELSE excluded.recover_concurrency END * $6))::integer END,
+    tokens = CASE
+        WHEN b.backoff AND b.changed_at > now() - make_interval(secs => $7) THEN b.tokens
+        ELSE least(b.tokens, 0) END,
+    changed_at = CASE
+        WHEN b.backoff AND b.changed_at > now() - make_interval(secs => $7) THEN b.changed_at
+        ELSE now() END,
+    recover_rate = CASE WHEN b.backoff THEN b.recover_rate ELSE excluded.recover_rate END,
+    recover_concurrency = CASE WHEN b.backoff THEN b.recover_concurrency
+                               ELSE excluded.recover_concurrency END,
+    backoff = true,
+    throttled_at = now(),
+    held_until = CASE WHEN excluded.held_until IS NULL THEN b.held_until
+                      ELSE greatest(b.held_until, excluded.held_until) END,
+    last_reply = excluded.last_reply,
+    updated_at = now()
+"""
+
+
+async def report_throttling(
+    db: Executor, reports: Sequence[Throttling], *, factor: float, hold: float
+) -> None:
+    """Lower each throttled destination's effective rate and concurrency by `factor` (floor 1)
+    for the whole cluster. One report per key: the caller merges them."""
+    if not reports:
+        return
+    # In key order, as budget_take locks rows: two statements never wait on each other in a cycle.
+    reports = sorted(reports, key=lambda r: r.key)
+    await db.execute(
+        _THROTTLED,
+        [r.key for r in reports],
+        [max(1.0, float(r.rate)) for r in reports],
+        [max(1, r.concurrency) for r in reports],
+        [float(r.retry_after) for r in reports],
+        [r.reply for r in reports],
+        float(factor),
+        float(hold),
+    )
+
+
+@dataclass(frozen=True)
+class InForce:
+    """Budgets an engine must ask for that its configuration does not name."""
+
+    org_rates: dict[uuid.UUID, float]
+    backing_off: frozenset[str]
+
+
+async def budgets_in_force(db: Executor, *, step: float, quiet: float) -> InForce:
+    """What `InForce` says, read after the recovery of every budget backing off is applied (one
+    statement; each engine makes it once a second while it delivers)."""
+    rows = await db.fetch("SELECT * FROM budget_in_force($1, $2)", float(step), float(quiet))
+    return InForce(
+        org_rates={uuid.UUID(r["key"]): r["rate"] for r in rows if r["kind"] == "org"},
+        backing_off=frozenset(r["key"] for r in rows if r["kind"] == "backoff"),
+    )
+
+
+@dataclass(frozen=True)
+class BudgetState:
+    """One budget as `pigeon-mta queue` shows it."""
+
+    key: str
+    name: str  # the org's name for an org budget, else the key without its kind
+    rate: float
+    concurrency: int
+    effective_rate: float
+    effective_concurrency: int
+    sessions: int  # slots held under a live lease
+    backoff: bool
+    throttled_at: datetime | None
+    held_until: datetime | None
+    last_reply: str | None
+
+
+_LIST = """
+SELECT b.key, coalesce(o.name, b.key) AS name, coalesce(o.rate, b.rate) AS rate,
+       b.concurrency, b.effective_rate,
+       b.effective_concurrency, b.backoff, b.throttled_at, b.held_until, b.last_reply,
+       (SELECT coalesce(sum(s.slots), 0)::integer FROM budget_slot s
+        WHERE s.key = b.key AND s.lease_until >= now()) AS sessions
+FROM budget b
+LEFT JOIN org o ON b.key LIKE 'org:%' AND o.id::text = substr(b.key, 5)
+-- An org's configured rate is the org's own (a rate set back to 0 leaves its row behind).
+WHERE CASE WHEN b.key LIKE 'org:%' THEN coalesce(o.rate, 0) > 0
+           ELSE b.backoff OR b.rate > 0 OR b.concurrency > 0 END
+ORDER BY b.backoff DESC, b.key
+"""
+
+
+async def list_budgets(db: Executor) -> list[BudgetState]:
+    """Every budget with a limit in force, those backing off first."""
+    return [
+        BudgetState(
+            key=r["key"],
+            name=r["name"].split(":", 1)[1] if r["name"] == r["key"] else r["name"],
+            rate=r["rate"],
+            concurrency=r["concurrency"],
+            effective_rate=r["effective_rate"],
+            effective_concurrency=r["effective_concurrency"],
+            sessions=r["sessions"],
+            backoff=r["backoff"],
+            throttled_at=r["throttled_at"],
+            held_until=r["held_until"],
+            last_reply=r["last_reply"],
+        )
+        for r in await db.fetch(_LIST)
+    ]

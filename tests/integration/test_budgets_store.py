@@ -1,0 +1,107 @@
+"""The budget statements on a real PostgreSQL: grants, leased slots, backoff and its recovery."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import asyncpg
+
+from pigeon_mta.store import budgets
+from pigeon_mta.store.budgets import GrantRequest, Throttling
+
+KEY = "destination:pattern:dest.test"
+
+
+def request(
+    tokens: int = 0, slots: int = 0, *, rate: float = 10, concurrency: int = 3
+) -> GrantRequest:
+    return GrantRequest(KEY, rate, concurrency, max(1.0, rate), tokens, slots)
+
+
+async def take(
+    pool: asyncpg.Pool, holder: str, *requests: GrantRequest, lease: float = 60, quiet: float = 30
+) -> dict[str, budgets.Grant]:
+    return await budgets.take_grants(
+        pool, requests, holder=holder, lease=lease, horizon=60, step=0.5, quiet=quiet
+    )
+
+
+async def test_tokens_are_granted_up_to_the_burst_and_the_rest_is_booked_a_token_apart(
+    pool: asyncpg.Pool,
+) -> None:
+    first = (await take(pool, "n1/r#1", request(tokens=25)))[KEY]
+    assert first.tokens == 10  # a full bucket: one second of 10/s
+    second = (await take(pool, "n2/r#1", request(tokens=5)))[KEY]
+    assert second.tokens == 0
+    # The first caller's 15 handed back are booked over 1.5 s; the second's come after them.
+    gap = (second.booked_from - first.booked_from).total_seconds()
+    assert 1.4 <= gap <= 1.7, gap
+
+
+async def test_slots_hold_for_every_holder_together_and_lapse_with_their_lease(
+    pool: asyncpg.Pool,
+) -> None:
+    assert (await take(pool, "n1/r#1", request(tokens=2, slots=2), lease=1))[KEY].held == 2
+    assert (await take(pool, "n2/r#1", request(tokens=5, slots=5)))[KEY].slots == 1
+    assert (await take(pool, "n2/r#1", request(tokens=1, slots=1)))[KEY].slots == 0
+    await asyncio.sleep(1.2)  # n1 died: its lease runs out
+    assert (await take(pool, "n2/r#1", request(tokens=1, slots=3)))[KEY].held == 3
+    # Given back, they are free at once.
+    assert await budgets.hold_slots(pool, {KEY: 0}, holder="n2/r#1", lease=60) == {}
+    assert (await take(pool, "n1/r#2", request(tokens=1, slots=3)))[KEY].slots == 3
+
+
+async def test_throttling_halves_the_budget_once_per_overload_and_it_recovers_in_steps(
+    pool: asyncpg.Pool,
+) -> None:
+    await take(pool, "n1/r#1", request(tokens=1, slots=3))
+    reply = "421 4.7.0 Try again later"
+    report = Throttling(KEY, rate=10, concurrency=3, retry_after=0, reply=reply)
+    await budgets.report_throttling(pool, [report], factor=0.5, hold=1.0)
+    await budgets.report_throttling(pool, [report], factor=0.5, hold=1.0)  # the same overload
+    grant = (await take(pool, "n1/r#1", request(), quiet=0.3))[KEY]
+    assert (grant.effective_rate, grant.effective_concurrency) == (5, 1)
+    # The slots held beyond the lowered concurrency are taken back at the next renewal.
+    assert await budgets.hold_slots(pool, {KEY: 3}, holder="n1/r#1", lease=60) == {KEY: 1}
+    listed = {b.key: b for b in await budgets.list_budgets(pool)}[KEY]
+    assert (
+        listed.backoff
+        and listed.last_reply == reply
+        and (listed.rate, listed.concurrency)
+        == (
+            10,
+            3,
+        )
+    )
+    # Each quiet period adds back half of the configured values (step 0.5), then backoff ends.
+    await asyncio.sleep(0.35)
+    grant = (await take(pool, "n1/r#1", request(), quiet=0.3))[KEY]
+    assert (grant.effective_rate, grant.effective_concurrency) == (10, 3)
+    in_force = await budgets.budgets_in_force(pool, step=0.5, quiet=0.3)
+    assert KEY not in in_force.backing_off
+
+
+async def test_a_destination_without_limits_backs_off_from_what_was_sent_and_honours_a_delay(
+    pool: asyncpg.Pool,
+) -> None:
+    key = "destination:mx:busy.test"
+    report = Throttling(key, rate=80, concurrency=12, retry_after=60, reply="try again in 60s")
+    await budgets.report_throttling(pool, [report], factor=0.5, hold=1.0)
+    in_force = await budgets.budgets_in_force(pool, step=0.1, quiet=30)
+    assert key in in_force.backing_off
+    grant = (await take(pool, "n1/r#1", GrantRequest(key, 0, 0, 1, tokens=3, slots=3)))[key]
+    assert (grant.effective_rate, grant.effective_concurrency) == (40, 6)
+    # Held by the stated delay: nothing granted, the booking starts after it.
+    assert (grant.tokens, grant.slots) == (0, 0)
+    assert grant.held_until is not None
+    wait = (grant.booked_from - datetime.now(UTC)).total_seconds()
+    assert 55 <= wait <= 61, wait
+
+
+async def test_a_starting_node_frees_the_slots_its_earlier_runs_held(pool: asyncpg.Pool) -> None:
+    for holder in ("node-a/old#10", "node-a/new#11", "node-ab/x#12"):
+        await take(pool, holder, request(tokens=1, slots=1))
+    assert await budgets.free_slots_of_gone_runs(pool, "node-a", "node-a/new") == 1
+    holders = await pool.fetch("SELECT holder FROM budget_slot ORDER BY holder")
+    assert [r["holder"] for r in holders] == ["node-a/new#11", "node-ab/x#12"]
