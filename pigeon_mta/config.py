@@ -305,8 +305,16 @@ class DeliverySettings:
     # SMTP transactions one worker process has in flight at once, across all destinations.
     concurrency: int = 100
     # Transactions one process runs at once to one destination (a recipient domain, the relayhost,
-    # or what a [delivery.destination] pattern groups), unless that entry says otherwise.
+    # or what a [delivery.destination] pattern groups) that has no cluster-wide concurrency of its
+    # own: the ceiling of its adaptive limit (adaptive_concurrency).
     destination_concurrency: int = 20
+    # Each destination's limit per process follows its replies (as Postfix's adaptive
+    # concurrency, with TCP's arithmetic): it starts at destination_concurrency_initial, grows
+    # while replies come back fast and healthy (doubling per round at first), and is halved by a
+    # throttling reply (rate-limited: 421 4.7.0, 4.7.28, ...) or a failed or broken connection,
+    # within [1, destination_concurrency]. false: a fixed destination_concurrency.
+    adaptive_concurrency: bool = True
+    destination_concurrency_initial: int = 10
     # Open connections one process keeps to one MX host address (host, IP, port and TLS mode).
     max_connections_per_host: int = 20
     # Messages sent over one connection before it is closed and a fresh one opened.

@@ -319,6 +319,7 @@ def _check_outbound(delivery: DeliverySettings) -> None:
     for key in (
         "concurrency",
         "destination_concurrency",
+        "destination_concurrency_initial",
         "max_connections_per_host",
         "max_messages_per_connection",
     ):

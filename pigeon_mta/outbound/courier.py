@@ -29,7 +29,13 @@ from pigeon_mta.outbound.attempt import (
 from pigeon_mta.outbound.budgets import Budgets, Pass, Wait
 from pigeon_mta.outbound.classify import Category, stated_retry_delay
 from pigeon_mta.outbound.connect import ConnectionKey, ConnectOptions
-from pigeon_mta.outbound.limits import DestinationPolicy, Gate, Gates, policy_for
+from pigeon_mta.outbound.limits import (
+    DestinationPolicy,
+    Gate,
+    Gates,
+    TransactionOutcome,
+    policy_for,
+)
 from pigeon_mta.outbound.mx import Route, RouteFailure, Router
 from pigeon_mta.outbound.outcome import judge
 from pigeon_mta.outbound.pool import ConnectionPool, NotConnected
@@ -76,7 +82,13 @@ class Courier:
             max_per_host=settings.delivery.max_connections_per_host,
             idle_timeout=settings.delivery.idle_timeout,
         )
-        self.gates = Gates()
+        # Each destination's limit per process adapts to its replies (outbound/adaptive.py),
+        # between 1 and its concurrency, from destination_concurrency_initial.
+        self.gates = Gates(
+            initial=settings.delivery.destination_concurrency_initial
+            if settings.delivery.adaptive_concurrency
+            else 0
+        )
         # The cluster's budgets (None: per-process limits only, as for a courier without a
         # database).
         self.budgets = budgets(self.connections) if budgets is not None else None
@@ -125,6 +137,7 @@ class Courier:
         if budgets is not None:
             budgets.throttling.sending(policy)
         connection: list[ConnectionKey] = []
+        tx: TransactionResult | None = None
         try:
             signed = await self.sign(delivery)
             tx = await self._transaction(
@@ -136,18 +149,24 @@ class Courier:
                 connection,
             )
         finally:
-            if gate is not None:
-                self.gates.leave(gate)
             if budgets is not None:
                 budgets.throttling.sent(policy)
                 if passed is not None:
                     budgets.leave(passed, connection[-1] if connection else None)
+            if gate is not None and tx is None:
+                self.gates.leave(gate)
         DELIVERY_ATTEMPT_SECONDS.observe(tx.duration)
         # Started so that start + duration is when the final reply came (attempt.py).
         tx_started_at = tx.finished_at - timedelta(seconds=tx.duration)
-        results = self._judge(
-            delivery, tx.results, tx_started_at, tx.peer, tx.duration, dkim=signed.dkim
-        )
+        outcome: TransactionOutcome | None = None
+        try:
+            results = self._judge(
+                delivery, tx.results, tx_started_at, tx.peer, tx.duration, dkim=signed.dkim
+            )
+            outcome = transaction_outcome(tx, results)
+        finally:
+            if gate is not None:
+                self.gates.leave(gate, outcome, tx.duration)
         if budgets is not None:
             self._note_throttling(budgets, policy, results)
         return results
@@ -253,3 +272,15 @@ class Courier:
             if result.outcome == Outcome.DELIVERED:
                 ACCEPT_TO_DELIVERY_SECONDS.observe((now - delivery.received_at).total_seconds())
         return judged
+
+
+def transaction_outcome(
+    tx: TransactionResult, results: Sequence[AttemptResult]
+) -> TransactionOutcome:
+    """What a transaction says about its destination's capacity: a temporary rate-limited reply
+    is throttling; a connection that failed or broke without a reply is a connection error."""
+    if any(r.category == Category.RATE_LIMITED and 400 <= r.reply.code < 500 for r in results):
+        return "throttled"
+    if any(isinstance(r.result, BaseException) for r in tx.results):
+        return "connection-error"
+    return "healthy"

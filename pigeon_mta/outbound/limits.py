@@ -11,12 +11,16 @@ destinations without such a budget.
 from __future__ import annotations
 
 import asyncio
+import collections
 import fnmatch
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from pigeon_mta.config import DeliverySettings, DestinationSettings, TlsPolicy
+from pigeon_mta.outbound import adaptive
+from pigeon_mta.outbound.adaptive import AimdPolicy
 from pigeon_mta.outbound.mx import Route
 
 
@@ -99,17 +103,75 @@ class TokenBucket:
 
 
 class Gate:
-    """A destination's concurrency limit and rate bucket."""
+    """A destination's per-process concurrency limit (adaptive, outbound/adaptive.py, when the
+    settings ask for it) and its rate bucket, with the transactions waiting for a slot."""
 
-    def __init__(self, policy: DestinationPolicy) -> None:
+    def __init__(self, policy: DestinationPolicy, aimd: AimdPolicy | None) -> None:
         self.policy = policy
-        self.slots = asyncio.Semaphore(policy.concurrency)
+        self.aimd = aimd
+        self.state = adaptive.start(aimd) if aimd is not None else None
         self.bucket = TokenBucket(policy.rate, policy.burst)
         self.in_flight = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
+    @property
+    def limit(self) -> int:
+        """Transactions this destination may have in flight now."""
+        return self.state.concurrency if self.state is not None else self.policy.concurrency
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for waiter in self._waiters if not waiter.done())
+
+    async def acquire(self, timeout: float) -> bool:
+        """Take a slot within `timeout` seconds; False if none came."""
+        if self.in_flight < self.limit and not self.waiting:
+            self.in_flight += 1
+            return True
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        await asyncio.wait({waiter}, timeout=timeout)
+        if waiter.done() and not waiter.cancelled():
+            return True  # the slot was handed over (see _wake)
+        waiter.cancel()
+        return False
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        self._wake()
+
+    def report(self, outcome: TransactionOutcome, seconds: float, now: float) -> None:
+        """How a transaction to this destination went: the adaptive limit follows it."""
+        if self.aimd is None or self.state is None:
+            return
+        if outcome == "throttled":
+            self.state = adaptive.after_throttling(self.state, self.aimd, now)
+        elif outcome == "connection-error":
+            self.state = adaptive.after_connection_error(self.state, self.aimd, now)
+        else:
+            self.state = adaptive.after_healthy_reply(self.state, self.aimd, now, seconds)
+            self._wake()
+
+    def _wake(self) -> None:
+        """Hand free slots to the longest waiting, each slot taken for the waiter it wakes."""
+        while self._waiters and self.in_flight < self.limit:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.in_flight += 1
+                waiter.set_result(None)
+
+
+# How a transaction went, for a destination's adaptive concurrency: a throttling reply
+# (classified rate-limited), a connection that failed or broke, or anything else (a reply).
+TransactionOutcome = Literal["healthy", "throttled", "connection-error"]
 
 # Gates kept before idle ones are forgotten.
 MAX_IDLE_GATES = 10000
+
+# A destination whose limit is full keeps at most this many transactions per slot waiting in the
+# engine; more are handed back to the queue at once, so that one busy destination cannot take the
+# engine's room (delivery.concurrency) from the others.
+WAITING_PER_SLOT = 2
 
 
 def _limits(policy: DestinationPolicy) -> tuple[int, float, int]:
@@ -117,46 +179,59 @@ def _limits(policy: DestinationPolicy) -> tuple[int, float, int]:
 
 
 class Gates:
-    """One Gate per destination key, made on first use (and rebuilt if its policy changed)."""
+    """One Gate per destination key, made on first use (and rebuilt if its policy changed).
 
-    def __init__(self) -> None:
+    `initial`: the limit an adaptive gate starts with (0: fixed limits, policy.concurrency)."""
+
+    def __init__(self, *, initial: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
         self._gates: dict[str, Gate] = {}
+        self.initial = initial
+        self.clock = clock
 
     def get(self, policy: DestinationPolicy) -> Gate:
         gate = self._gates.get(policy.key)
         if gate is None or _limits(gate.policy) != _limits(policy):
             if len(self._gates) >= MAX_IDLE_GATES:
                 self._forget_idle()
-            gate = Gate(policy)
+            aimd = None
+            if self.initial:
+                aimd = AimdPolicy(
+                    maximum=policy.concurrency, initial=min(self.initial, policy.concurrency)
+                )
+            gate = Gate(policy, aimd)
             self._gates[policy.key] = gate
         return gate
 
     def _forget_idle(self) -> None:
         """Drop gates nobody is using (one per destination ever seen would only grow). A
-        forgotten bucket starts full again, which its idle time would mostly have refilled."""
+        forgotten bucket starts full again, which its idle time would mostly have refilled; a
+        forgotten adaptive limit starts again from `initial`."""
         for key, gate in list(self._gates.items()):
-            if gate.in_flight == 0 and not gate.slots.locked():
+            if gate.in_flight == 0 and not gate.waiting:
                 del self._gates[key]
 
     async def enter(self, policy: DestinationPolicy, max_wait: float) -> Gate | float:
         """Wait for a slot and a token; returns the Gate (call `leave`), or, when that would take
-        longer than `max_wait`, the seconds after which the destination should have room."""
+        longer than `max_wait` or too many wait already, the seconds after which the destination
+        should have room."""
         gate = self.get(policy)
+        if gate.waiting >= WAITING_PER_SLOT * gate.limit:
+            return max(1.0, float(max_wait))
         wait = gate.bucket.reserve()
         if wait > max_wait:
             gate.bucket.refund()
             return wait
         if wait > 0:
             await asyncio.sleep(wait)
-        try:
-            await asyncio.wait_for(gate.slots.acquire(), max_wait)
-        except TimeoutError:
+        if not await gate.acquire(max_wait):
             gate.bucket.refund()
             return max(1.0, max_wait)
-        gate.in_flight += 1
         return gate
 
-    @staticmethod
-    def leave(gate: Gate) -> None:
-        gate.in_flight -= 1
-        gate.slots.release()
+    def leave(
+        self, gate: Gate, outcome: TransactionOutcome | None = None, seconds: float = 0.0
+    ) -> None:
+        """The transaction ended (`outcome` None: it never reached the destination)."""
+        if outcome is not None:
+            gate.report(outcome, seconds, self.clock())
+        gate.release()
