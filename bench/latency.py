@@ -181,12 +181,19 @@ def sessions_to_far_side() -> int:
 
 
 def pigeon_config(
-    args: argparse.Namespace, work: Path, db_url: str, ports: dict[str, int], dns: DnsServer
+    args: argparse.Namespace,
+    work: Path,
+    db_url: str,
+    ports: dict[str, int],
+    dns: DnsServer,
+    delivering: bool = True,
 ) -> str:
     server = f"processes = {args.processes}\n" if args.processes is not None else ""
     delivery = "".join(
         f"{key} = {getattr(args, key)}\n" for key in DEFAULTS if getattr(args, key) is not None
     )
+    if not delivering:
+        delivery += "enabled = false\n"
     return f"""
 [server]
 hostname = "bench.test"
@@ -254,11 +261,9 @@ async def report_stuck(conn: asyncpg.Connection) -> None:
 
 
 def what_held(
-    limits: dict[str, int], processes: int, destinations: int, peak_sessions: int, cpu_verdict: str
+    limits: dict[str, int], processes: int, destinations: int, peak: int, cpu_verdict: str
 ) -> str:
-    """The CPU when saturation() says so, else the configured limit the connections reached."""
-    if not cpu_verdict.startswith("not the CPU"):
-        return cpu_verdict
+    """The configured limit the connections reached, else what saturation() found."""
     ceilings = {
         "concurrency": limits["concurrency"],
         "destination_concurrency": destinations * limits["destination_concurrency"],
@@ -267,13 +272,19 @@ def what_held(
     name = min(ceilings, key=lambda k: ceilings[k])
     ceiling = processes * ceilings[name]
     # Open connections include idle pooled ones, so they can pass the transactions' ceiling.
-    if peak_sessions >= 0.9 * ceiling:
+    if peak >= 0.9 * ceiling:
         return (
             f"{name} ({limits[name]} per process: at most {ceiling} transactions at once;"
-            f" {peak_sessions} connections open)"
+            f" {peak} connections open)"
         )
-    return (
-        f"{cpu_verdict}; {peak_sessions} connections open, the limits allow {ceiling} transactions"
+    return f"{cpu_verdict}; {peak} connections open, the limits allow {ceiling} transactions"
+
+
+async def queue_depth(conn: asyncpg.Connection) -> int:
+    return int(
+        await conn.fetchval(
+            "SELECT count(*) FROM recipient WHERE status IN ('queued', 'delivering')"
+        )
     )
 
 
@@ -284,6 +295,7 @@ async def measure(
     side: FarSide,
     destinations: int,
     relay_port: int,
+    prefilled: bool,
 ) -> dict[str, object]:
     workers = [
         p
@@ -299,8 +311,8 @@ async def measure(
         }
     )
     began = time.monotonic()
-    loads = start_load(args, destinations, relay_port)
-    accepted_at, marks, peak, done = None, {}, 0, 0
+    loads = [] if prefilled else start_load(args, destinations, relay_port)
+    accepted_at, marks, peak, done, depth = None, {}, 0, 0, 0
     try:
         while time.monotonic() - began < args.timeout:
             await asyncio.sleep(0.5)
@@ -308,6 +320,7 @@ async def measure(
                 accepted_at = time.monotonic()
             peak = max(peak, sessions_to_far_side())
             done = await delivered(conn)
+            depth = max(depth, await queue_depth(conn))
             for fraction in (0.1, 0.9):
                 if fraction not in marks and done >= fraction * args.count:
                     marks[fraction] = (time.monotonic(), done)
@@ -335,19 +348,65 @@ async def measure(
         k: getattr(args, k) if getattr(args, k) is not None else v for k, v in DEFAULTS.items()
     }
     processes = args.processes or os.cpu_count() or 1
+    held = what_held(limits, processes, destinations, peak, str(verdict["saturated"]))
+    if not prefilled and depth < 0.05 * args.count:
+        held = f"the offered load: delivery kept up with acceptance (queue depth at most {depth})"
+    accept = (
+        {}
+        if prefilled
+        else {"accept_msgs_per_s": round(args.count / ((accepted_at or finished) - began), 1)}
+    )
     return {
         "delivered": done,
         "delivered_msgs_per_s": round(done / wall, 1),
         "steady_msgs_per_s": round(steady, 1),
-        "accept_msgs_per_s": round(args.count / ((accepted_at or finished) - began), 1),
+        **accept,
+        "max_queue_depth": depth,
         "wall_s": round(wall, 1),
         "cores_busy": {k: round(v / wall, 2) for k, v in used.items()},
         "peak_sessions": peak,
         "peak_rss_mb": [round(peak_rss_mb(p), 1) for p in [serve.pid, *workers]],
         **verdict,
-        "held_by": what_held(limits, processes, destinations, peak, str(verdict["saturated"])),
+        "held_by": held,
         "limits": {**limits, "processes": processes},
     }
+
+
+async def start_serve(config: Path, log: Path, processes: int) -> subprocess.Popen[str]:
+    """`pigeon-mta serve`, once every worker's relay listener is bound."""
+    with open(log, "w") as out:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "pigeon_mta", "serve", "--config", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            cwd=REPO,
+            text=True,
+        )
+    deadline = time.monotonic() + 60
+    while log.read_text().count("listener relay bound") < processes:
+        if time.monotonic() > deadline or serve.poll() is not None:
+            stop_serve(serve)
+            raise SystemExit("serve did not start:\n" + log.read_text())
+        await asyncio.sleep(0.2)
+    return serve
+
+
+async def prefill(args: argparse.Namespace, destinations: int, relay_port: int) -> float:
+    """Queue every message through the relay listener; the accept rate (msgs/s)."""
+    began = time.monotonic()
+    loads = start_load(args, destinations, relay_port)
+    try:
+        while any(p.poll() is None for p in loads):
+            if time.monotonic() - began > args.timeout:
+                raise SystemExit(f"queueing {args.count} messages took over {args.timeout} s")
+            await asyncio.sleep(0.2)
+    finally:
+        for load in loads:
+            if load.poll() is None:
+                load.kill()
+            load.wait(10)
+    return args.count / (time.monotonic() - began)
 
 
 async def main() -> None:
@@ -368,6 +427,11 @@ async def main() -> None:
     parser.add_argument("--sessions", type=int, default=20, help="smtp-source sessions in all")
     parser.add_argument(
         "--timeout", type=float, default=900, help="give up after this many seconds"
+    )
+    parser.add_argument(
+        "--prefill",
+        action="store_true",
+        help="queue every message first (delivery.enabled = false), then time the drain alone",
     )
     parser.add_argument("--processes", type=int, help="server.processes (default: the config's)")
     parser.add_argument("--concurrency", type=int, help="delivery.concurrency")
@@ -404,25 +468,24 @@ async def main() -> None:
         run([*pig, "migrate", "--config", str(config)])
         run([*pig, "org", "add", "internal", "--config", str(config)])
         run([*pig, "domain", "add", "internal", "bench.test", "--config", str(config)])
-        serve_log = open(work / "serve.log", "w")
-        serve = subprocess.Popen(
-            [*pig, "serve", "--config", str(config)],
-            stdout=serve_log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            cwd=REPO,
-        )
         processes = args.processes or os.cpu_count() or 1
-        deadline = time.monotonic() + 60
-        while (work / "serve.log").read_text().count("listener relay bound") < processes:
-            if time.monotonic() > deadline or serve.poll() is not None:
-                raise SystemExit("serve did not start:\n" + (work / "serve.log").read_text())
-            await asyncio.sleep(0.2)
+        accept_rate = None
+        if args.prefill:
+            config.write_text(pigeon_config(args, work, db_url, ports, dns, delivering=False))
+            serve = await start_serve(config, work / "accept.log", processes)
+            accept_rate = await prefill(args, destinations, ports["relay"])
+            stop_serve(serve)
+            config.write_text(pigeon_config(args, work, db_url, ports, dns))
+        serve = await start_serve(config, work / "serve.log", processes)
         conn = await asyncpg.connect(db_url)
         try:
-            results = await measure(args, conn, serve, side, destinations, ports["relay"])
+            results = await measure(
+                args, conn, serve, side, destinations, ports["relay"], args.prefill
+            )
         finally:
             await conn.close()
+        if accept_rate is not None:
+            results["prefill_accept_msgs_per_s"] = round(accept_rate, 1)
     finally:
         if serve is not None:
             stop_serve(serve)
@@ -435,7 +498,8 @@ async def main() -> None:
     print(
         f"# latency {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {platform.node()}, "
         f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, {destinations} destination(s) at "
-        f"{rtt_ms:g} ms round trip, {args.count} x {args.size} B, no DKIM"
+        f"{rtt_ms:g} ms round trip, {args.count} x {args.size} B, no DKIM, "
+        f"{'prefilled queue' if args.prefill else 'accepting while delivering'}"
     )
     print(json.dumps(results, indent=2))
     if "held_by" in results:
