@@ -204,9 +204,13 @@ async def measure(
     backlog_left = await conn.fetchval(
         "SELECT count(*) FROM recipient WHERE domain = 'bulk.test' AND status IN ('queued', 'delivering')"
     )
-    bulk_done = await conn.fetchval(
-        "SELECT count(*) FROM recipient WHERE domain = 'bulk.test' AND status = 'delivered'"
-    )
+    backlog_states = {
+        row[0]: row[1]
+        for row in await conn.fetch(
+            "SELECT status, count(*) FROM recipient WHERE domain = 'bulk.test' GROUP BY status"
+        )
+    }
+    bulk_done = backlog_states.get("delivered", 0)
     return {
         "backlog_queued_in_s": round(queued_in, 1),
         "transactional_arrived": len(waits),
@@ -215,6 +219,7 @@ async def measure(
         "wait_p99_s": round(percentile(waits, 0.99), 2) if waits else None,
         "wait_max_s": round(max(waits), 2) if waits else None,
         "backlog_left_at_end": backlog_left,
+        "backlog_states_at_end": backlog_states,
         "backlog_delivered_msgs_per_s": round(bulk_done / (time.monotonic() - began), 1),
         "wall_s": round(time.monotonic() - began, 1),
     }
