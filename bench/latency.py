@@ -263,7 +263,8 @@ async def report_stuck(conn: asyncpg.Connection) -> None:
 def what_held(
     limits: dict[str, int], processes: int, destinations: int, peak: int, cpu_verdict: str
 ) -> str:
-    """The configured limit the connections reached, else what saturation() found."""
+    """The configured limit the connections reached (and the CPU if it was saturated too), else
+    what saturation() found."""
     ceilings = {
         "concurrency": limits["concurrency"],
         "destination_concurrency": destinations * limits["destination_concurrency"],
@@ -273,10 +274,12 @@ def what_held(
     ceiling = processes * ceilings[name]
     # Open connections include idle pooled ones, so they can pass the transactions' ceiling.
     if peak >= 0.9 * ceiling:
-        return (
+        reached = (
             f"{name} ({limits[name]} per process: at most {ceiling} transactions at once;"
             f" {peak} connections open)"
         )
+        # Idle pooled connections count too, so a saturated CPU may be what held it instead.
+        return f"{reached}; {cpu_verdict}" if cpu_verdict.startswith("CPU") else reached
     return f"{cpu_verdict}; {peak} connections open, the limits allow {ceiling} transactions"
 
 
