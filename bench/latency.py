@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,9 +59,9 @@ CASES = {"one": (1, 50.0), "fifty": (50, 200.0)}
 NEAR_ADDRESS = "10.200.0.1"
 FAR_NET = "10.201.0.0/16"
 FAR_NET_HEX = "C90A"  # 10.201, as the last bytes of /proc/net/tcp's little-endian address
-# Settings pigeon applies when the config leaves them out (pigeon_mta/config.py), for the report.
 # smtp-sink serves 256 sessions at once unless told otherwise; the rest wait unaccepted.
 MAX_SINK_SESSIONS = 10000
+# Settings pigeon applies when the config leaves them out (pigeon_mta/config.py), for the report.
 DEFAULTS = {"concurrency": 100, "destination_concurrency": 20, "max_connections_per_host": 20}
 
 
@@ -510,4 +511,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    # SIGTERM (`timeout`, a supervisor) unwinds like Ctrl-C, so the cleanup in main() still runs.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     asyncio.run(main())

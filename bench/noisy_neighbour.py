@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import smtplib
 import statistics
 import subprocess
@@ -311,4 +312,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    # SIGTERM (`timeout`, a supervisor) unwinds like Ctrl-C, so the cleanup in main() still runs.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     asyncio.run(main())
