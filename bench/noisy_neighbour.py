@@ -314,4 +314,7 @@ async def main() -> None:
 if __name__ == "__main__":
     # SIGTERM (`timeout`, a supervisor) unwinds like Ctrl-C, so the cleanup in main() still runs.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        sys.exit("interrupted: the processes, the scratch database and files are cleaned up")
