@@ -92,12 +92,12 @@ class FarSide:
 
     namespace: str
     link: subprocess.Popen[str]
-    sink: subprocess.Popen[bytes]
+    sink: subprocess.Popen[bytes] | None
 
     def stop(self) -> str:
         """Stop the sink and the link (by PID), delete the namespace; the link's counts."""
         for proc in (self.sink, self.link):
-            if proc.poll() is None:
+            if proc is not None and proc.poll() is None:
                 proc.terminate()
                 try:
                     proc.wait(10)
@@ -164,8 +164,7 @@ def start_far_side(binary: Path, destinations: int, rtt_ms: float) -> FarSide:
             stderr=subprocess.DEVNULL,
         )
     except BaseException:
-        side = FarSide(namespace, link, sink or link)
-        side.stop()
+        FarSide(namespace, link, sink).stop()
         raise
     return FarSide(namespace, link, sink)
 
@@ -310,7 +309,7 @@ async def measure(
         {
             "pigeon supervisor": [serve.pid],
             "pigeon workers": workers,
-            "smtp-sink": [side.sink.pid],
+            "smtp-sink": [side.sink.pid] if side.sink else [],
             "delay_link": [side.link.pid],
         }
     )
@@ -410,7 +409,7 @@ async def prefill(args: argparse.Namespace, destinations: int, relay_port: int) 
             if load.poll() is None:
                 load.kill()
             load.wait(10)
-    return args.count / (time.monotonic() - began)
+    return float(args.count) / (time.monotonic() - began)
 
 
 async def main() -> None:

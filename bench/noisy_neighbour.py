@@ -269,19 +269,19 @@ async def main() -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    serve: subprocess.Popen[str] | None = None
+    serve: subprocess.Popen[bytes] | None = None
     results: dict[str, object] = {}
     idle.start()
     try:
         await setup(pig, config)
-        serve_log = open(work / "serve.log", "w")
-        serve = subprocess.Popen(
-            [*pig, "serve", "--config", str(config)],
-            stdout=serve_log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            cwd=REPO,
-        )
+        with open(work / "serve.log", "w") as serve_log:
+            serve = subprocess.Popen(
+                [*pig, "serve", "--config", str(config)],
+                stdout=serve_log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+                cwd=REPO,
+            )
         processes = args.processes or os.cpu_count() or 1
         deadline = time.monotonic() + 60
         while (work / "serve.log").read_text().count("listener submission bound") < processes:
