@@ -18,7 +18,8 @@ attempt start + duration; accept time = the message row's received_at, the commi
 the 250). Also: peak RSS per pigeon process. Bounded in count and time; loopback only.
 
     .venv/bin/python bench/e2e.py [--messages 20000] [--processes 2] [--dkim rsa|ed25519|none]
-        [--route relayhost|mx] [--sink-dump] [--duplicate-window W]
+        [--route relayhost|mx] [--sink-dump] [--duplicate-window W] [--concurrency N]
+        [--destination-concurrency N] [--max-connections-per-host N]
 """
 
 from __future__ import annotations
@@ -273,16 +274,20 @@ def limits_config(args: argparse.Namespace) -> str:
     return f'[limits]\nduplicate_window = "{args.duplicate_window}"\n'
 
 
-def route_config(route: str, sink_port: int, dns: DnsServer | None) -> str:
+def delivery_tuning(args: argparse.Namespace) -> str:
+    """The [delivery] limits given on the command line (the rest keep the config's defaults)."""
+    keys = ("concurrency", "destination_concurrency", "max_connections_per_host")
+    return "".join(f"{k} = {getattr(args, k)}\n" for k in keys if getattr(args, k) is not None)
+
+
+def route_config(route: str, sink_port: int, dns: DnsServer | None, tuning: str = "") -> str:
     """The [delivery] and [dns] config that sends the bench's mail to the sink."""
     if route == "relayhost" or dns is None:
-        return f'[delivery]\nrelayhost = "127.0.0.2:{sink_port}"\nrelayhost_tls = "none"\n'
+        return f'[delivery]\n{tuning}relayhost = "127.0.0.2:{sink_port}"\nrelayhost_tls = "none"\n'
     # A TTL longer than any run: the MX path pays for the cache lookups, not for DNS queries.
     dns.mx("sink.test", (10, "mx.sink.test"), ttl=3600)
     dns.a("mx.sink.test", "127.0.0.2", ttl=3600)
-    return (
-        f'[delivery]\nport = {sink_port}\ntls = "none"\n[dns]\nnameservers = ["{dns.nameserver}"]\n'
-    )
+    return f'[delivery]\n{tuning}port = {sink_port}\ntls = "none"\n[dns]\nnameservers = ["{dns.nameserver}"]\n'
 
 
 async def main() -> None:
@@ -316,6 +321,9 @@ async def main() -> None:
         help="report phase 1's N costliest statements per message (the server must load "
         "pg_stat_statements), WAL and rows written per table",
     )
+    parser.add_argument("--concurrency", type=int, help="delivery.concurrency")
+    parser.add_argument("--destination-concurrency", dest="destination_concurrency", type=int)
+    parser.add_argument("--max-connections-per-host", dest="max_connections_per_host", type=int)
     args = parser.parse_args()
     for tool in ("smtp-source", "smtp-sink"):
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
@@ -346,7 +354,7 @@ address = "127.0.0.1:{relay_port}"
 mode = "relay"
 [relay]
 trusted_networks = ["127.0.0.0/8"]
-{route_config(args.route, sink_port, dns)}{limits_config(args)}[metrics]
+{route_config(args.route, sink_port, dns, delivery_tuning(args))}{limits_config(args)}[metrics]
 listen = "127.0.0.1:{metrics_port}"
 [log]
 delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
