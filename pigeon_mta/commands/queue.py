@@ -187,6 +187,7 @@ BUDGET_COLUMNS = [
     "effective",
     "sessions",
     "state",
+    "throttling_reply",
 ]
 
 
@@ -197,11 +198,9 @@ def budget_row(b: store_budgets.BudgetState) -> dict[str, Any]:
     name = b.name.removeprefix("pattern:").removeprefix("mx:")
     state = "ok"
     if b.backoff:
-        state = f"backing off since a throttling reply at {_clock(b.throttled_at)}"
+        state = f"backing off since {_clock(b.throttled_at)}"
         if b.held_until is not None and b.held_until > datetime.now(UTC):
             state += f", held until {_clock(b.held_until)}"
-        if b.last_reply:
-            state += f": {b.last_reply}"
     return {
         "budget": f"{kind} {name}",
         "rate": _limit(b.rate),
@@ -209,7 +208,8 @@ def budget_row(b: store_budgets.BudgetState) -> dict[str, Any]:
         "concurrency": _limit(b.concurrency),
         "effective": _limit(b.effective_concurrency),
         "sessions": b.sessions,
-        "state": _short(state),
+        "state": state,
+        "throttling_reply": _short(b.last_reply) if b.backoff and b.last_reply else "-",
     }
 
 

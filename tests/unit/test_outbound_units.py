@@ -57,7 +57,7 @@ def test_policy_defaults_key_on_the_route() -> None:
     delivery = DeliverySettings()
     policy = policy_for(delivery, "example.com", route("example.com", "mx.example.com"))
     assert policy.key == "mx:example.com"
-    assert (policy.tls, policy.concurrency, policy.rate) == ("opportunistic", 20, 0)
+    assert (policy.tls, policy.concurrency, policy.rate) == ("opportunistic", 100, 0)
     assert policy.max_messages_per_connection == 100
 
 
