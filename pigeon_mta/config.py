@@ -317,7 +317,7 @@ class DeliverySettings:
     # throttling reply (rate-limited: 421 4.7.0, 4.7.28, ...) or a failed or broken connection,
     # within [1, destination_concurrency]. false: a fixed destination_concurrency.
     adaptive_concurrency: bool = True
-    destination_concurrency_initial: int = 10
+    destination_concurrency_initial: int = 20
     # Open connections one process keeps to one MX host address (host, IP, port and TLS mode):
     # with one MX address, a destination's concurrency cannot go beyond it.
     max_connections_per_host: int = 100

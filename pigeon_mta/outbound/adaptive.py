@@ -10,8 +10,10 @@ has pushed back (congestion avoidance). A throttling reply (`421 4.7.0 Try again
 report it, and they are one signal, not a hundred. The limit stays within [1, `maximum`].
 
 A reply counts as fast when it took at most `slow_reply_factor` times the fastest reply of the last
-`baseline_window`: a destination whose replies slow down is busy, so the limit holds rather than
-grows. The baseline ages out because a route can change for good (a new MX, a longer path).
+`baseline_window`, plus `slow_reply_slack` seconds: a destination whose replies slow down is busy,
+so the limit holds rather than grows. The slack keeps a near destination (a LAN relay answering in
+milliseconds) growing while its replies vary with this machine's own load by tens of milliseconds,
+which says nothing about the destination. The baseline ages out because a route can change for good (a new MX, a longer path).
 
 Pure: state in, state out, the clock passed in by the caller. Which replies are throttling and
 which are healthy is `classify`'s to say, not this module's.
@@ -37,6 +39,8 @@ class AimdPolicy:
     decrease_interval: float = 1.0
     # A reply slower than this many times the baseline (the fastest recent one) is not fast.
     slow_reply_factor: float = 2.0
+    # Seconds a reply may take beyond that and still count as fast.
+    slow_reply_slack: float = 0.5
     # Seconds the fastest reply stays the baseline before the next healthy reply replaces it.
     baseline_window: float = 60.0
 
@@ -82,7 +86,7 @@ def after_healthy_reply(
     """A transaction ended with a reply that was not throttling, `seconds` after it began."""
     if now - state.baseline_since > policy.baseline_window or seconds < state.fastest:
         state = replace(state, fastest=seconds, baseline_since=now)
-    if seconds > state.fastest * policy.slow_reply_factor:
+    if seconds > state.fastest * policy.slow_reply_factor + policy.slow_reply_slack:
         return state
     step = 1.0 if state.slow_start else 1.0 / state.limit
     return replace(state, limit=min(float(policy.maximum), state.limit + step))

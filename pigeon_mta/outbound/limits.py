@@ -172,6 +172,8 @@ MAX_IDLE_GATES = 10000
 # engine; more are handed back to the queue at once, so that one busy destination cannot take the
 # engine's room (delivery.concurrency) from the others.
 WAITING_PER_SLOT = 2
+# ... due again this many seconds later: the destination is busy, not refusing.
+BUSY_RETRY = 1.0
 
 
 def _limits(policy: DestinationPolicy) -> tuple[int, float, int]:
@@ -216,7 +218,7 @@ class Gates:
         should have room."""
         gate = self.get(policy)
         if gate.waiting >= WAITING_PER_SLOT * gate.limit:
-            return max(1.0, float(max_wait))
+            return BUSY_RETRY
         wait = gate.bucket.reserve()
         if wait > max_wait:
             gate.bucket.refund()

@@ -71,8 +71,14 @@ def fast(count: int, at: float = 0.0, seconds: float = 0.1) -> list[Event]:
         (
             "slow replies hold the limit",
             AimdPolicy(maximum=200),
-            [*fast(5), *fast(20, at=1.0, seconds=0.5)],
+            [*fast(5), *fast(20, at=1.0, seconds=1.5)],
             15,
+        ),
+        (
+            "replies a little slower than the fastest, in absolute terms, still count as fast",
+            AimdPolicy(maximum=200),
+            [*fast(5, seconds=0.002), *fast(5, at=1.0, seconds=0.3)],
+            20,
         ),
         (
             "a reply within the slow factor still counts as fast",
@@ -83,7 +89,7 @@ def fast(count: int, at: float = 0.0, seconds: float = 0.1) -> list[Event]:
         (
             "the baseline ages out, so a slower route grows again",
             AimdPolicy(maximum=200, baseline_window=60),
-            [*fast(5), *fast(5, at=10.0, seconds=0.5), *fast(5, at=100.0, seconds=0.5)],
+            [*fast(5), *fast(5, at=10.0, seconds=1.5), *fast(5, at=100.0, seconds=1.5)],
             20,
         ),
     ],
