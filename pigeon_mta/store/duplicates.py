@@ -33,11 +33,9 @@ from datetime import datetime
 
 import asyncpg
 
-from pigeon_mta.ids import new_ids
 from pigeon_mta.model import Envelope
 from pigeon_mta.store import queue as store_queue
 from pigeon_mta.store.executor import Executor
-from pigeon_mta.store.queue import recipient_domain
 from pigeon_mta.store.upkeep import id_floor
 
 
@@ -253,24 +251,7 @@ def _one_arguments(queue_id: uuid.UUID, e: Envelope) -> list[object]:
     """The parameters of _ENQUEUE_ONE: the plain enqueue's ($1-$18), then the key and window
     ($19, $20)."""
     return [
-        queue_id,
-        e.org_id,
-        e.sender,
-        e.header_message_id,
-        len(e.body),
-        e.body,
-        e.listener,
-        e.client_ip,
-        e.client_helo,
-        e.credential_id,
-        e.auth_user,
-        new_ids(len(e.recipients)),
-        list(e.recipients),
-        [recipient_domain(r) for r in e.recipients],
-        e.received_at,
-        e.tls_version,
-        e.tls_cipher,
-        e.lane,
+        *store_queue.one_columns(queue_id, e),
         message_key(e.header_message_id or ""),
         float(e.duplicate_window),
     ]

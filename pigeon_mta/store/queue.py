@@ -119,30 +119,33 @@ async def enqueue_many(
         if envelope.duplicate_window and envelope.header_message_id:
             raise ValueError("a message checked for duplicates is queued by store.duplicates")
     if len(batch) == 1:
-        queue_id, e = batch[0]
-        await db.execute(
-            _ENQUEUE_ONE if notify else _ENQUEUE_ONE_QUIET,
-            queue_id,
-            e.org_id,
-            e.sender,
-            e.header_message_id,
-            len(e.body),
-            e.body,
-            e.listener,
-            e.client_ip,
-            e.client_helo,
-            e.credential_id,
-            e.auth_user,
-            new_ids(len(e.recipients)),
-            list(e.recipients),
-            [recipient_domain(r) for r in e.recipients],
-            e.received_at,
-            e.tls_version,
-            e.tls_cipher,
-            e.lane,
-        )
+        await db.execute(_ENQUEUE_ONE if notify else _ENQUEUE_ONE_QUIET, *one_columns(*batch[0]))
         return
     await db.execute(_ENQUEUE_MANY if notify else _ENQUEUE_MANY_QUIET, *batch_columns(batch))
+
+
+def one_columns(queue_id: uuid.UUID, e: Envelope) -> list[object]:
+    """The parameters of the lone-message enqueue ($1-$18)."""
+    return [
+        queue_id,
+        e.org_id,
+        e.sender,
+        e.header_message_id,
+        len(e.body),
+        e.body,
+        e.listener,
+        e.client_ip,
+        e.client_helo,
+        e.credential_id,
+        e.auth_user,
+        new_ids(len(e.recipients)),
+        list(e.recipients),
+        [recipient_domain(r) for r in e.recipients],
+        e.received_at,
+        e.tls_version,
+        e.tls_cipher,
+        e.lane,
+    ]
 
 
 def batch_columns(batch: Sequence[tuple[uuid.UUID, Envelope]]) -> list[Sequence[object]]:
