@@ -42,6 +42,7 @@ import asyncpg
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from bench import pg_profile  # noqa: E402
 from bench.e2e import (  # noqa: E402
     Cpu,
     children,
@@ -311,7 +312,8 @@ async def measure(
             "pigeon workers": workers,
             "smtp-sink": [side.sink.pid] if side.sink else [],
             "delay_link": [side.link.pid],
-        }
+        },
+        await pg_profile.server_processes(conn),
     )
     began = time.monotonic()
     loads = [] if prefilled else start_load(args, destinations, relay_port)
