@@ -42,6 +42,7 @@ import asyncpg
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from bench import pg_profile  # noqa: E402
 from bench.e2e import (  # noqa: E402
     Cpu,
     children,
@@ -53,6 +54,7 @@ from bench.e2e import (  # noqa: E402
     stop_serve,
     with_db,
 )
+from pigeon_mta.config import DeliverySettings  # noqa: E402
 from tests.peers.dns_server import DnsServer  # noqa: E402
 
 CASES = {"one": (1, 50.0), "fifty": (50, 200.0)}
@@ -62,7 +64,10 @@ FAR_NET_HEX = "C90A"  # 10.201, as the last bytes of /proc/net/tcp's little-endi
 # smtp-sink serves 256 sessions at once unless told otherwise; the rest wait unaccepted.
 MAX_SINK_SESSIONS = 10000
 # Settings pigeon applies when the config leaves them out (pigeon_mta/config.py), for the report.
-DEFAULTS = {"concurrency": 100, "destination_concurrency": 20, "max_connections_per_host": 20}
+DEFAULTS = {
+    key: getattr(DeliverySettings(), key)
+    for key in ("concurrency", "destination_concurrency", "max_connections_per_host")
+}
 
 
 def far_address(index: int) -> str:
@@ -311,7 +316,8 @@ async def measure(
             "pigeon workers": workers,
             "smtp-sink": [side.sink.pid] if side.sink else [],
             "delay_link": [side.link.pid],
-        }
+        },
+        await pg_profile.server_processes(conn),
     )
     began = time.monotonic()
     loads = [] if prefilled else start_load(args, destinations, relay_port)
