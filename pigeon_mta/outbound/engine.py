@@ -115,7 +115,11 @@ class DeliveryEngine:
 
     def _claimable(self) -> int:
         """How many the claim loop takes now: its free room, or 0 while it waits for a bite's
-        worth of room (claiming for every single freed slot would cost a query per message)."""
+        worth of room (claiming for every single freed slot would cost a query per message), or
+        while a claim's worth of deliveries waits for destinations' limits (claiming more, when
+        those destinations are full, would hand most of each claim straight back)."""
+        if len(self._not_started) >= self.delivery.batch_size:
+            return 0
         room = self.delivery.concurrency - len(self._active)
         return 0 if room < self._bite and self._active else room
 
@@ -296,8 +300,10 @@ class DeliveryEngine:
         task = asyncio.current_task()
 
         def sending() -> None:
-            if task is not None:
+            if task is not None and task in self._not_started:
                 self._not_started.discard(task)
+                if len(self._not_started) == self.delivery.batch_size - 1:
+                    self._room.set()
 
         try:
             done = await self.courier.deliver(delivery, sending=sending)
