@@ -130,7 +130,16 @@ class Gate:
             return True
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
-        await asyncio.wait({waiter}, timeout=timeout)
+        try:
+            await asyncio.wait({waiter}, timeout=timeout)
+        except asyncio.CancelledError:
+            # Cancelled while waiting (the engine stopping): a slot handed over meanwhile goes
+            # back, else the waiter is withdrawn; either way no slot stays taken.
+            if waiter.done() and not waiter.cancelled():
+                self.release()
+            else:
+                waiter.cancel()
+            raise
         if waiter.done() and not waiter.cancelled():
             return True  # the slot was handed over (see _wake)
         waiter.cancel()

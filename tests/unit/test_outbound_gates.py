@@ -103,3 +103,31 @@ async def test_a_full_destination_hands_back_at_once_beyond_two_waiting_per_slot
     for w in waiters:
         w.cancel()
     await asyncio.gather(*waiters, return_exceptions=True)
+
+
+async def test_a_waiter_cancelled_while_waiting_takes_no_slot() -> None:
+    gates = Gates(initial=0)
+    p = policy(concurrency=1)
+    first = await gates.enter(p, 1)
+    assert isinstance(first, Gate)
+    waiter = asyncio.create_task(gates.enter(p, 30))
+    await asyncio.sleep(0.01)
+    waiter.cancel()  # as the engine cancels deliveries that have not started when it stops
+    await asyncio.gather(waiter, return_exceptions=True)
+    gates.leave(first, "healthy", 0.1)
+    assert first.in_flight == 0 and first.waiting == 0
+    again = await gates.enter(p, 1)
+    assert again is first and first.in_flight == 1
+
+
+async def test_a_slot_handed_to_a_waiter_cancelled_in_the_same_moment_goes_back() -> None:
+    gates = Gates(initial=0)
+    p = policy(concurrency=1)
+    first = await gates.enter(p, 1)
+    assert isinstance(first, Gate)
+    waiter = asyncio.create_task(gates.enter(p, 30))
+    await asyncio.sleep(0.01)
+    gates.leave(first, "healthy", 0.1)  # hands the slot to the waiter ...
+    waiter.cancel()  # ... which is cancelled before it runs again
+    await asyncio.gather(waiter, return_exceptions=True)
+    assert first.in_flight == 0
