@@ -20,6 +20,7 @@ import asyncpg
 import pytest
 
 from tests.conftest import free_port, run_pigeon
+from tests.e2e.faults_helpers import admin_execute, database_name, fetch, terminate_backends
 from tests.e2e.serve_process import ServeProcess, write_config
 from tests.peers.smtp_sink import SinkState, start_sink, stop_servers
 
@@ -301,3 +302,39 @@ async def test_a_node_killed_with_a_session_slot_blocks_its_destination_one_leas
     arrived = next(m.at for m in state.messages if "after+" in m.rcpt_tos[0])
     # The lease is 5 s; then the next claim of the message handed back, and its transaction.
     assert arrived - killed <= 5 + 1.5, arrived - killed
+
+
+async def test_a_budgeted_destination_delivers_everything_once_after_the_database_went_away(
+    tmp_path: Path,
+    db_url: str,
+    admin_url: str,
+    pool: asyncpg.Pool,
+    org_id: uuid.UUID,
+    sinks: dict[str, tuple[SinkState, int]],
+) -> None:
+    """The database goes away for 2 s (every session cut, new ones refused) while a destination
+    with a cluster rate and concurrency drains a backlog: grants cannot be taken, and the mail
+    waiting for them is neither lost, bounced nor delivered twice; delivery resumes by itself."""
+    state, _ = sinks["a.test"]
+    state.slow_seconds = 0
+    count = 400
+    await queue_to(pool, org_id, "a.test", count)
+    await pool.close()  # the outage would cut its sessions too; later reads use fresh ones
+    extra = '[delivery.destination."a.test"]\nrate = 50\nconcurrency = 4\n'
+    config = node_config(tmp_path, db_url, "node-a", sinks, processes=1, extra=extra)
+    serve = await start_node(config, 1)
+    name = database_name(db_url)
+    try:
+        await state.wait_for(lambda: len(state.messages) >= 50, 60)
+        await admin_execute(admin_url, f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS false')
+        await terminate_backends(admin_url, name)
+        await asyncio.sleep(2)
+        await admin_execute(admin_url, f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS true')
+        await state.wait_for(lambda: len(state.deliveries()) == count, 90)
+        assert serve.proc.poll() is None, serve.output
+    finally:
+        await admin_execute(admin_url, f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS true')
+        assert await stop(serve) == 0, serve.output
+    assert collections.Counter(state.deliveries().values()) == {1: count}
+    statuses = await fetch(db_url, "SELECT status, count(*) AS n FROM recipient GROUP BY status")
+    assert {r["status"]: r["n"] for r in statuses} == {"delivered": count}
