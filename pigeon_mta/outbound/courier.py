@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 
 from pigeon_mta.config import Settings, TlsPolicy
 from pigeon_mta.metrics import ACCEPT_TO_DELIVERY_SECONDS, DELIVERY_ATTEMPT_SECONDS
-from pigeon_mta.model import AttemptResult, Delivery, Outcome, Signed
+from pigeon_mta.model import AttemptResult, Delivery, Outcome, Reply, Signed
 from pigeon_mta.outbound.attempt import (
     Peer,
     RecipientResult,
@@ -163,12 +163,14 @@ class Courier:
             results = self._judge(
                 delivery, tx.results, tx_started_at, tx.peer, tx.duration, dkim=signed.dkim
             )
-            outcome = transaction_outcome(tx, results)
+            throttled = throttling_reply(results)
+            outcome = transaction_outcome(tx, throttled)
         finally:
             if gate is not None:
                 self.gates.leave(gate, outcome, tx.duration)
-        if budgets is not None:
-            self._note_throttling(budgets, policy, results)
+        if budgets is not None and throttled is not None:
+            # It lowers the destination's budget for the whole cluster.
+            budgets.throttled(policy, throttled, stated_retry_delay(throttled.text) or 0.0)
         return results
 
     async def _enter(
@@ -191,17 +193,6 @@ class Courier:
             budgets.leave(passed, None)
         wait = entered * self.rng.uniform(1.0, 1.2)
         return Postponed(datetime.now(UTC) + timedelta(seconds=wait))
-
-    @staticmethod
-    def _note_throttling(
-        budgets: Budgets, policy: DestinationPolicy, results: Sequence[AttemptResult]
-    ) -> None:
-        """A temporary rate-limited reply from the destination's server lowers its budget."""
-        for result in results:
-            if result.category == Category.RATE_LIMITED and 400 <= result.reply.code < 500:
-                delay = stated_retry_delay(result.reply.text) or 0.0
-                budgets.throttled(policy, result.reply, delay)
-                return
 
     async def _transaction(
         self,
@@ -274,12 +265,19 @@ class Courier:
         return judged
 
 
-def transaction_outcome(
-    tx: TransactionResult, results: Sequence[AttemptResult]
-) -> TransactionOutcome:
-    """What a transaction says about its destination's capacity: a temporary rate-limited reply
-    is throttling; a connection that failed or broke without a reply is a connection error."""
-    if any(r.category == Category.RATE_LIMITED and 400 <= r.reply.code < 500 for r in results):
+def throttling_reply(results: Sequence[AttemptResult]) -> Reply | None:
+    """The first temporary rate-limited reply among a transaction's results: the destination's
+    server asking for less."""
+    for result in results:
+        if result.category == Category.RATE_LIMITED and 400 <= result.reply.code < 500:
+            return result.reply
+    return None
+
+
+def transaction_outcome(tx: TransactionResult, throttled: Reply | None) -> TransactionOutcome:
+    """What a transaction says about its destination's capacity: a throttling reply, or a
+    connection that failed or broke without a reply, or neither."""
+    if throttled is not None:
         return "throttled"
     if any(isinstance(r.result, BaseException) for r in tx.results):
         return "connection-error"
