@@ -168,15 +168,11 @@ class Budgets:
             )
         return tuple(needs)
 
-    def applies(self, delivery: Delivery, policy: DestinationPolicy) -> bool:
-        """Whether `admit` has anything to do for this delivery (the common case, mail to a
-        destination without a budget, costs no more than this)."""
-        return not self._read_once or bool(self.needs(delivery, policy))
-
     # ------------------------------------------------------------ admit / leave
 
     async def admit(self, delivery: Delivery, policy: DestinationPolicy) -> Pass | Wait | None:
-        """A Pass (call `leave`), a Wait (hand the delivery back), or None: no budget applies."""
+        """A Pass (call `leave`), a Wait (hand the delivery back), or None: no budget applies
+        (the common case, mail to a destination without a budget, costs a few look-ups)."""
         needs = self.needs(delivery, policy)
         if not self._read_once and self._refresh is not None:
             # The orgs' rates are not known before the first read.

@@ -180,7 +180,7 @@ class Courier:
         own concurrency limit when the destination has no cluster budget."""
         budgets = self.budgets
         passed: Pass | Wait | None = None
-        if budgets is not None and budgets.applies(delivery, policy):
+        if budgets is not None:
             passed = await budgets.admit(delivery, policy)
         if isinstance(passed, Wait):
             return Postponed(passed.until, passed.reason)
