@@ -239,6 +239,28 @@ async def paced_load(port: int, rate: float, count: int, sessions: int, size: in
     await asyncio.gather(*(session(i) for i in range(sessions)))
 
 
+async def start_serve(
+    config: Path, log: Path, processes: int, listener: str = "relay"
+) -> subprocess.Popen[str]:
+    """`pigeon-mta serve`, once every worker has bound `listener`."""
+    with open(log, "w") as out:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "pigeon_mta", "serve", "--config", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            cwd=REPO,
+            text=True,
+        )
+    deadline = time.monotonic() + 60
+    while log.read_text().count(f"listener {listener} bound") < processes:
+        if time.monotonic() > deadline or serve.poll() is not None:
+            stop_serve(serve)
+            raise SystemExit("serve did not start:\n" + log.read_text())
+        await asyncio.sleep(0.2)
+    return serve
+
+
 def stop_serve(serve: subprocess.Popen[str] | subprocess.Popen[bytes]) -> None:
     """SIGTERM (serve drains and exits), then SIGKILL if it has not exited within a minute."""
     serve.send_signal(signal.SIGTERM)

@@ -51,6 +51,7 @@ from bench.e2e import (  # noqa: E402
     peak_rss_mb,
     run,
     saturation,
+    start_serve,
     stop_serve,
     with_db,
 )
@@ -379,26 +380,6 @@ async def measure(
         "held_by": held,
         "limits": {**limits, "processes": processes},
     }
-
-
-async def start_serve(config: Path, log: Path, processes: int) -> subprocess.Popen[str]:
-    """`pigeon-mta serve`, once every worker's relay listener is bound."""
-    with open(log, "w") as out:
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "pigeon_mta", "serve", "--config", str(config)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            cwd=REPO,
-            text=True,
-        )
-    deadline = time.monotonic() + 60
-    while log.read_text().count("listener relay bound") < processes:
-        if time.monotonic() > deadline or serve.poll() is not None:
-            stop_serve(serve)
-            raise SystemExit("serve did not start:\n" + log.read_text())
-        await asyncio.sleep(0.2)
-    return serve
 
 
 async def prefill(args: argparse.Namespace, destinations: int, relay_port: int) -> float:

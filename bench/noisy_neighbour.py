@@ -41,7 +41,14 @@ from aiosmtpd.controller import Controller
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.e2e import free_port, run, smtp_session, stop_serve, with_db  # noqa: E402
+from bench.e2e import (  # noqa: E402
+    free_port,
+    run,
+    smtp_session,
+    start_serve,
+    stop_serve,
+    with_db,
+)
 
 PASSWORD = "noisy-neighbour-password"
 TRANSACTIONAL = 20
@@ -269,25 +276,13 @@ async def main() -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    serve: subprocess.Popen[bytes] | None = None
+    serve: subprocess.Popen[str] | None = None
     results: dict[str, object] = {}
     idle.start()
     try:
         await setup(pig, config)
-        with open(work / "serve.log", "w") as serve_log:
-            serve = subprocess.Popen(
-                [*pig, "serve", "--config", str(config)],
-                stdout=serve_log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONPATH": str(REPO)},
-                cwd=REPO,
-            )
         processes = args.processes or os.cpu_count() or 1
-        deadline = time.monotonic() + 60
-        while (work / "serve.log").read_text().count("listener submission bound") < processes:
-            if time.monotonic() > deadline or serve.poll() is not None:
-                raise SystemExit("serve did not start:\n" + (work / "serve.log").read_text())
-            await asyncio.sleep(0.2)
+        serve = await start_serve(config, work / "serve.log", processes, "submission")
         conn = await asyncpg.connect(db_url)
         try:
             results = await measure(args, conn, ports, sink)
