@@ -270,42 +270,29 @@ async def renew_leases(
     return _count(await db.execute(_RENEW_FENCED, list(ids), owner, float(lease), list(attempts)))
 
 
-# Undo a claim that was never attempted (graceful shutdown): the attempt did not happen, so the
-# counter goes back down and the row is due again at once.
+# Undo claims that were never attempted: the attempt did not happen, so the counter goes back down.
+# Each row is due again at its due_at (NULL: when it was due before, i.e. at once), with the
+# reason it waits (a budget without room now, a destination backing off; NULL: none). The engine
+# spreads a batch's due times over the budget's refill. The reason is cleared when an attempt is
+# recorded (_RECORD).
 _RELEASE_FENCED = """
 UPDATE recipient r
 SET status = 'queued', attempts = r.attempts - 1, lease_until = NULL, lease_owner = NULL,
-    next_attempt_at = COALESCE($4, r.next_attempt_at), updated_at = now()
-FROM unnest($1::uuid[], $3::int[]) AS v (id, attempt)
+    next_attempt_at = COALESCE(v.due_at, r.next_attempt_at), postponed = v.reason,
+    updated_at = now()
+FROM unnest($1::uuid[], $3::int[], $4::timestamptz[], $5::text[]) AS v (id, attempt, due_at, reason)
 WHERE r.id = v.id AND r.attempts = v.attempt AND r.status = 'delivering' AND r.lease_owner = $2
 """
 
 
 async def release_leases(
-    db: Executor,
-    ids: Sequence[uuid.UUID],
-    *,
-    owner: str,
-    attempts: Sequence[int],
-    due_at: datetime | None = None,
+    db: Executor, ids: Sequence[uuid.UUID], *, owner: str, attempts: Sequence[int]
 ) -> int:
     """Undo these very claims, never attempted (see _RENEW_FENCED): the attempt counter goes back
-    down and the rows are due again at once, or at `due_at` (a destination with no room now, its
-    rate or concurrency limit, gets them back when it should have room)."""
-    tag = await db.execute(_RELEASE_FENCED, list(ids), owner, list(attempts), due_at)
+    down and the rows are due again at once (graceful shutdown)."""
+    none = [None] * len(ids)
+    tag = await db.execute(_RELEASE_FENCED, list(ids), owner, list(attempts), none, none)
     return _count(tag)
-
-
-# Hand claims back unattempted, each due at its own time and with the reason it waits (a
-# budget without room now, a destination backing off): the engine spreads a batch's due times
-# over the budget's refill. The reason is cleared when an attempt is recorded (_RECORD).
-_POSTPONE_FENCED = """
-UPDATE recipient r
-SET status = 'queued', attempts = r.attempts - 1, lease_until = NULL, lease_owner = NULL,
-    next_attempt_at = v.due_at, postponed = v.reason, updated_at = now()
-FROM unnest($1::uuid[], $3::int[], $4::timestamptz[], $5::text[]) AS v (id, attempt, due_at, reason)
-WHERE r.id = v.id AND r.attempts = v.attempt AND r.status = 'delivering' AND r.lease_owner = $2
-"""
 
 
 async def postpone_leases(
@@ -315,12 +302,12 @@ async def postpone_leases(
     owner: str,
     attempts: Sequence[int],
     due_at: Sequence[datetime],
-    reasons: Sequence[str],
+    reasons: Sequence[str | None],
 ) -> int:
     """Undo these very claims like `release_leases`, each due at its `due_at`, with the reason
     it waits."""
     tag = await db.execute(
-        _POSTPONE_FENCED, list(ids), owner, list(attempts), list(due_at), list(reasons)
+        _RELEASE_FENCED, list(ids), owner, list(attempts), list(due_at), list(reasons)
     )
     return _count(tag)
 

@@ -519,7 +519,10 @@ async def test_fenced_statements_look_up_their_rows_by_primary_key_with_many_in_
         ids = [r.id for _, r in rows]
         attempts = [r.attempts for _, r in rows]
         renew = await _recipient_scans(conn, leases._RENEW_FENCED, ids, OWNER, 300.0, attempts)
-        release = await _recipient_scans(conn, leases._RELEASE_FENCED, ids, OWNER, attempts, None)
+        none = [None] * len(ids)
+        release = await _recipient_scans(
+            conn, leases._RELEASE_FENCED, ids, OWNER, attempts, none, none
+        )
         sweep = await _recipient_scans(conn, leases._SWEEP, 100)
         count = await _recipient_scans(conn, upkeep._STATS)
     for scans in (record, renew, release):
