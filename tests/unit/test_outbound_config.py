@@ -55,6 +55,11 @@ timeout = "3s"
         ('[delivery.destination."x.example"]\nspeed = 3', "'delivery.destination.x.example.speed'"),
         ('[delivery.destination."x.example"]\ntls = "maybe"', "delivery.destination.x.example.tls"),
         ("[delivery]\nconcurrency = 0", "'delivery.concurrency' must be at least 1"),
+        (
+            "[delivery]\ndestination_concurrency_initial = 0",
+            "'delivery.destination_concurrency_initial' must be at least 1",
+        ),
+        ("[delivery]\nadaptive_concurrency = 1", "'delivery.adaptive_concurrency'"),
         ('[delivery]\nrelayhost_username = "u"', "relayhost_password"),
         (
             '[delivery]\nrelayhost = "smtp.example:587"\nrelayhost_username = "u"\n'

@@ -1,0 +1,68 @@
+"""A destination's adaptive concurrency, through the real engine and a real sink.
+
+queue (PostgreSQL) --> DeliveryEngine --DNS--> DnsServer 127.0.0.1:<p>
+                                      --SMTP-> sink (final dot answered after slow_seconds)
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import asyncpg
+
+from tests.integration.outbound_helpers import running_engine, send, wait_until
+from tests.peers.world import mail_world
+
+MESSAGES = 120
+
+
+async def deliver_slowly(
+    tmp_path: Path, pool: asyncpg.Pool, db_url: str, org_id: uuid.UUID, **delivery: object
+) -> int:
+    """Queue MESSAGES slow messages to one destination, deliver them all; returns the most
+    transactions the sink had in flight at once."""
+    async with mail_world(tmp_path) as world:
+        world.sinks.slow_seconds = 0.2
+        settings = world.settings(db_url, concurrency=200, **delivery)
+        for n in range(MESSAGES):
+            await send(pool, org_id, f"slow+{n}@plain.test")
+
+        async def all_delivered() -> bool:
+            done = await pool.fetchval("SELECT count(*) FROM recipient WHERE status = 'delivered'")
+            return bool(done == MESSAGES)
+
+        async with running_engine(settings, pool, db_url):
+            await wait_until(all_delivered, 60, "every message delivered")
+        assert sorted(world.sinks.deliveries().values()) == [1] * MESSAGES
+        return world.sinks.max_in_flight
+
+
+async def test_a_destinations_limit_grows_from_its_start_while_replies_are_healthy(
+    tmp_path: Path, pool: asyncpg.Pool, db_url: str, org_id: uuid.UUID
+) -> None:
+    most = await deliver_slowly(
+        tmp_path,
+        pool,
+        db_url,
+        org_id,
+        destination_concurrency=30,
+        destination_concurrency_initial=3,
+        max_connections_per_host=30,
+    )
+    assert 3 < most <= 30, most
+
+
+async def test_without_adaptive_concurrency_the_limit_stays_fixed(
+    tmp_path: Path, pool: asyncpg.Pool, db_url: str, org_id: uuid.UUID
+) -> None:
+    most = await deliver_slowly(
+        tmp_path,
+        pool,
+        db_url,
+        org_id,
+        adaptive_concurrency=False,
+        destination_concurrency=3,
+        max_connections_per_host=30,
+    )
+    assert most == 3, most
