@@ -182,9 +182,11 @@ async def worker_services(
         pools.push_async_callback(commit_pool.close)
         delivery_log = DeliveryLog.from_settings(settings)
         signer = DkimSigner.from_settings(pool, settings)
-        # One waker per process: the engine waits on it; LISTEN brings mail queued elsewhere, and
-        # this process's listeners wake it after each commit (NotifySender.poke), which also sends
-        # one coalesced NOTIFY for the other processes and nodes when this engine cannot take all.
+        # One waker per process: the engine waits on it; LISTEN brings mail queued elsewhere. The
+        # listeners' group commit hands this engine the mail it has room for (no claim, no
+        # wake-up); after a commit that queued mail for a claim it wakes it (NotifySender.poke),
+        # which also sends one coalesced NOTIFY for the other processes and nodes when this
+        # engine cannot take all.
         waker = QueueWaker(lambda: store_connect.connect(url, settings))
         engine = None
         if settings.delivery.enabled:
@@ -211,6 +213,7 @@ async def worker_services(
                 delivery_log=delivery_log,
                 on_queued=notifier.poke,
                 commit_pool=commit_pool,
+                engine=engine,
             )
         )
         yield services

@@ -248,9 +248,10 @@ class SubmissionHandler:
         """Commit the message; returns its recipients that were not queued again, if any.
         Shielded: a client that hangs up mid-commit does not cancel the statement half-way; a
         message committed anyway is announced all the same."""
-        # No NOTIFY inside the transaction (it would serialise commits); ctx.on_queued wakes the
-        # engines after the commit instead (store/notify.py). Messages of other sessions that
-        # finish at the same time share the commit (store/group_commit.py).
+        # No NOTIFY inside the transaction (it would serialise commits): the group commit hands
+        # the message to this process's engine or wakes the engines after the commit
+        # (store/notify.py). Messages of other sessions that finish at the same time share the
+        # commit (store/group_commit.py).
         task = asyncio.ensure_future(self.ctx.group_commit.enqueue(reception.queue_id, message))
         server.enqueuing += 1
         try:
@@ -264,8 +265,9 @@ class SubmissionHandler:
     def _announce(
         self, message: model.Envelope, reception: Reception, duplicates: Duplicates | None
     ) -> uuid.UUID:
-        """After the commit: wake the engines, write the Reception (and Duplicate) records and the
-        log lines. Returns the queue id to answer."""
+        """After the commit (which handed the message to an engine or woke the engines, see
+        store/group_commit.py): write the Reception (and Duplicate) records and the log lines.
+        Returns the queue id to answer."""
         if duplicates is not None:
             if self.ctx.delivery_log is not None:
                 self.ctx.delivery_log.duplicates(message, duplicates)
@@ -275,7 +277,6 @@ class SubmissionHandler:
                 return duplicates.reply_id
             message = dataclasses.replace(message, recipients=queued)
             reception = dataclasses.replace(reception, recipients=queued)
-        self.ctx.on_queued(len(message.recipients))
         if self.ctx.delivery_log is not None:
             self.ctx.delivery_log.reception(reception.queue_id, message)
         record_reception(reception)
