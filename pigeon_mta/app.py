@@ -180,6 +180,10 @@ async def worker_services(
         pools.push_async_callback(pool.close)
         commit_pool = await store_connect.commit_pool(url, settings)
         pools.push_async_callback(commit_pool.close)
+        record_pool = None
+        if settings.delivery.enabled:
+            record_pool = await store_connect.record_pool(url, settings)
+            pools.push_async_callback(record_pool.close)
         delivery_log = DeliveryLog.from_settings(settings)
         signer = DkimSigner.from_settings(pool, settings)
         # One waker per process: the engine waits on it; LISTEN brings mail queued elsewhere. The
@@ -197,6 +201,7 @@ async def worker_services(
                 delivery_log=delivery_log,
                 waker=waker,
                 lease_owner=lease_owner,
+                record_pool=record_pool,
             )
         # No NOTIFY for what this process's own engine takes at once (NotifySender).
         notifier = NotifySender(pool, waker, local_takes=engine.takes if engine else None)

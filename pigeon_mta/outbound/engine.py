@@ -68,7 +68,10 @@ class DeliveryEngine:
         delivery_log: DeliveryLog | None = None,
         waker: QueueWaker | None = None,
         lease_owner: str = "",
+        record_pool: asyncpg.Pool | None = None,
     ) -> None:
+        """`record_pool`: the connections results are recorded on (the worker gives the engine
+        its own, see `store.connect.record_pool`); `pool` when not given."""
         self.settings = settings
         self.delivery = settings.delivery
         # What its claims name as their holder: `serve` passes the node's run (pigeon_mta/node.py).
@@ -85,7 +88,9 @@ class DeliveryEngine:
             budgets=lambda connections: Budgets(settings, pool, connections, self.owner),
         )
         self.connections = self.courier.connections
-        self.recorder = Recorder(pool, settings, self.claims, delivery_log or DeliveryLog.open(""))
+        self.recorder = Recorder(
+            record_pool or pool, settings, self.claims, delivery_log or DeliveryLog.open("")
+        )
         # A waker shared with this process's listeners wakes the engine at once after they queue
         # mail; it also LISTENs for mail queued elsewhere.
         self.waker = waker or (QueueWaker(listen) if listen is not None else None)
