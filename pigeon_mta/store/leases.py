@@ -24,6 +24,7 @@ from pigeon_mta.model import (
     storable_text,
 )
 from pigeon_mta.store.executor import Executor
+from pigeon_mta.store.webhooks import event_payload, header_message_id
 
 # ---------------------------------------------------------------- claim
 
@@ -157,9 +158,23 @@ def _last_reply(row: asyncpg.Record) -> Reply | None:
 
 # ---------------------------------------------------------------- record
 
-# One statement: the recipient rows move (only where the claim still holds, see module doc) and the
-# attempt rows are appended, each saying whether its outcome was applied.
-_RECORD = """
+_WEBHOOK_PAYLOAD = event_payload(
+    type_="v.outcome",
+    queue_id="v.message_id",
+    recipient_id="v.recipient_id",
+    recipient="u.address",
+    message_id=header_message_id("v.message_id"),
+    code="v.code",
+    enhanced_code="v.enhanced_code",
+    response="v.response",
+    category="v.category",
+    attempt="v.attempt",
+)
+
+# One statement: the recipient rows move (only where the claim still holds, see module doc), the
+# attempt rows are appended, each saying whether its outcome was applied, and the webhook events of
+# the applied outcomes go to the outbox (pigeon_mta/webhooks/), committed with them.
+_RECORD = f"""
 WITH v AS (
     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::int[], $6::text[],
                          $7::timestamptz[], $8::float8[], $9::timestamptz[], $10::text[],
@@ -182,7 +197,14 @@ WITH v AS (
         updated_at = now()
     FROM v
     WHERE r.id = v.recipient_id AND r.status = 'delivering' AND r.attempts = v.attempt
-    RETURNING r.id, r.attempts
+    RETURNING r.id, r.attempts, r.address
+), w AS (
+    INSERT INTO webhook_event (id, webhook_id, type, payload)
+    SELECT pigeon_uuid7(), h.id, v.outcome, {_WEBHOOK_PAYLOAD}
+    -- Applied outcomes only, one event per webhook of the org that takes the outcome's type. An
+    -- org without webhooks costs a probe of webhook_org per outcome and writes nothing.
+    FROM v JOIN u ON u.id = v.recipient_id AND u.attempts = v.attempt
+    JOIN webhook h ON h.org_id = v.org_id AND v.outcome = ANY (h.events)
 ), a AS (
     INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, duration_ms,
                          mx_host, ip, port, tls_version, tls_cipher, code, enhanced_code, response,
