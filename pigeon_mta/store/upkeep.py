@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pigeon_mta.store.executor import Executor
+from pigeon_mta.store.webhooks import backlog as webhook_backlog
 from pigeon_mta.store.webhooks import event_payload, header_message_id
 
 # ---------------------------------------------------------------- expiry
@@ -175,6 +176,7 @@ class QueueStats:
     delivering: int  # claimed, under a lease
     oldest_due_age: float  # seconds the longest-waiting due recipient has waited (0 if none)
     lanes: tuple[LaneStats, ...] = ()  # the lanes that have live rows, by name
+    webhook_backlog: int = 0  # webhook events waiting to be sent
 
 
 # Only the live part of the table is read (the queued rows and the leased ones, through their
@@ -222,4 +224,5 @@ async def queue_stats(db: Executor) -> QueueStats:
         delivering=sum(lane.delivering for lane in lanes),
         oldest_due_age=max((lane.oldest_due_age for lane in lanes), default=0.0),
         lanes=lanes,
+        webhook_backlog=await webhook_backlog(db),
     )
