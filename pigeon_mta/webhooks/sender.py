@@ -38,7 +38,7 @@ USER_AGENT = f"pigeon-mta/{__version__}"
 REPLY_READ_LIMIT = 64 * 1024
 # A claim's lease beyond the request timeout: time to record the outcome before the event is due
 # again for another sender.
-LEASE_MARGIN = 60.0
+LEASE_MARGIN = 10.0
 
 
 @dataclass(frozen=True)
