@@ -201,10 +201,12 @@ WITH v AS (
 ), w AS (
     INSERT INTO webhook_event (id, webhook_id, type, payload)
     SELECT pigeon_uuid7(), h.id, v.outcome, {_WEBHOOK_PAYLOAD}
-    -- Applied outcomes only, one event per webhook of the org that takes the outcome's type. An
-    -- org without webhooks costs a probe of webhook_org per outcome and writes nothing.
+    -- Applied outcomes only, one event per webhook of the org that takes the outcome's type.
+    -- When no org of the batch has a webhook, the EXISTS (one probe of webhook_org per distinct
+    -- org) is false and the join is never run: nothing is read or written.
     FROM v JOIN u ON u.id = v.recipient_id AND u.attempts = v.attempt
     JOIN webhook h ON h.org_id = v.org_id AND v.outcome = ANY (h.events)
+    WHERE EXISTS (SELECT FROM webhook WHERE org_id = ANY ($4::uuid[]))
 ), a AS (
     INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, duration_ms,
                          mx_host, ip, port, tls_version, tls_cipher, code, enhanced_code, response,
