@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import tomllib
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import asyncpg
 import pytest
 
@@ -102,6 +104,17 @@ async def wait_db(pool: asyncpg.Pool, query: str, *args: Any, timeout: float = 6
         if loop.time() > deadline:
             raise AssertionError(f"not true within {timeout}s: {query}")
         await asyncio.sleep(0.1)
+
+
+async def metric(tmp_path: Path, line_start: str) -> str | None:
+    """The line of serve's /metrics (the port engine_config chose) that starts so, if any."""
+    config = tomllib.loads((tmp_path / "pigeon.toml").read_text())
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://{config['metrics']['listen']}/metrics") as reply,
+    ):
+        text = await reply.text()
+    return next((line for line in text.splitlines() if line.startswith(line_start)), None)
 
 
 async def test_delivered_deferred_and_bounced_events_arrive_signed(
@@ -245,6 +258,8 @@ async def test_an_endpoint_that_always_answers_500_ends_failed_after_max_age(
     try:
         await queue_mail(pool, org_id, ["ok@dest.test"])
         await wait_db(pool, "SELECT bool_and(state = 'failed') FROM webhook_event")
+        failed = await metric(tmp_path, 'pigeon_webhook_deliveries_total{outcome="failed"}')
+        retried = await metric(tmp_path, 'pigeon_webhook_deliveries_total{outcome="retried"}')
     finally:
         assert await stop(serve) == 0, serve.output
     event = await pool.fetchrow("SELECT id::text, attempts, last_status FROM webhook_event")
@@ -261,6 +276,8 @@ async def test_an_endpoint_that_always_answers_500_ends_failed_after_max_age(
         webhook_id, 1, 0, 500,
     )  # fmt: skip
     assert "webhook" in serve.output and "failed after" in serve.output
+    assert failed is not None and failed.endswith(" 1.0")
+    assert retried is not None and retried.endswith(f" {event['attempts'] - 1}.0")
 
 
 async def test_a_stalled_receiver_holds_back_neither_mail_nor_another_endpoint(
@@ -287,6 +304,13 @@ async def test_a_stalled_receiver_holds_back_neither_mail_nor_another_endpoint(
         await healthy.wait_for(lambda: len(healthy.requests) == 20)
         # The stalled endpoint holds its two slots, no more, and has answered nothing.
         assert stalled.in_flight == 2 and stalled.max_in_flight == 2 and not stalled.requests
+        # Its events wait, as the supervisor's stats round reports (every 5s).
+        for _ in range(150):
+            backlog = await metric(tmp_path, "pigeon_webhook_backlog ")
+            if backlog == "pigeon_webhook_backlog 20.0":
+                break
+            await asyncio.sleep(0.1)
+        assert backlog == "pigeon_webhook_backlog 20.0"
     finally:
         await stalled.stop()  # its requests end now, unanswered
         assert await stop(serve) == 0, serve.output
