@@ -365,8 +365,9 @@ def _check_outbound(delivery: DeliverySettings) -> None:
 
 def _check_webhooks(settings: Settings) -> None:
     webhooks = settings.webhooks
-    if webhooks.concurrency_per_endpoint < 1:
-        raise ConfigError("'webhooks.concurrency_per_endpoint' must be at least 1")
+    # Each request in flight holds a task and a connection: thousands per endpoint is a mistake.
+    if not 1 <= webhooks.concurrency_per_endpoint <= 1000:
+        raise ConfigError("'webhooks.concurrency_per_endpoint' must be from 1 to 1000")
     if webhooks.retry_max < webhooks.retry_initial:
         raise ConfigError("'webhooks.retry_max' must not be less than 'webhooks.retry_initial'")
 
