@@ -7,6 +7,9 @@ password; the host stays `localhost`.
 python / node / msmtp ──STARTTLS (self-signed cert, trusted)+AUTH──► pigeon submission
                                                                         │ PostgreSQL queue
                               aiosmtpd sink 127.0.0.2:port ◄──SMTP──────┘ ([delivery] relayhost)
+
+README's webhook signature check runs on a ping that `pigeon-mta webhook test` sent to a real
+aiohttp receiver.
 """
 
 from __future__ import annotations
