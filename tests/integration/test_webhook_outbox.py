@@ -128,3 +128,20 @@ async def test_a_claim_takes_no_more_than_the_room_of_each_endpoint(
         event.id,
     )
     assert row is not None and (row["attempts"], row["due"]) == (0, True)
+
+
+async def test_removing_an_org_removes_its_webhooks_and_their_events(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    from pigeon_mta.store import orgs
+
+    hook = await store_webhooks.add_webhook(pool, org_id, "http://127.0.0.1:1/", ["x"], "s")
+    await pool.execute(
+        "INSERT INTO webhook_event (id, webhook_id, type, payload) "
+        "VALUES (gen_random_uuid(), $1, 'delivered', '{}')",
+        hook.id,
+    )
+    async with pool.acquire() as conn:
+        assert await orgs.remove_org(conn, "acme", force=False) is not None
+    assert await pool.fetchval("SELECT count(*) FROM webhook") == 0
+    assert await pool.fetchval("SELECT count(*) FROM webhook_event") == 0
