@@ -365,3 +365,30 @@ async def test_kill_9_of_serve_mid_flow_loses_no_event(
         got[request.event["data"]["recipient"]].add(request.webhook_id)
     assert sorted(got) == sorted(addresses)
     assert all(len(ids) == 1 for ids in got.values())
+
+
+async def test_sigterm_hands_back_the_events_of_stalled_requests_at_once(
+    tmp_path: Path,
+    db_url: str,
+    pool: asyncpg.Pool,
+    org_id: uuid.UUID,
+    sink: tuple[SinkState, int],
+    receivers: list[WebhookReceiver],
+) -> None:
+    _state, port = sink
+    stalled = WebhookReceiver(answer="stall", stall_seconds=30)
+    receivers.append(stalled)
+    await stalled.start()
+    add_webhook(db_url, "acme", stalled.url, "--events", "delivered")
+    config = webhook_config(timeout="60s")
+    serve = await start_engine(tmp_path, db_url, "node-a", port, delivery=config)
+    try:
+        await queue_mail(pool, org_id, ["a@dest.test", "b@dest.test"])
+        await stalled.wait_for(lambda: stalled.in_flight == 2)
+    finally:
+        # serve's shutdown_timeout is 3s: the requests are given up then, not after 60s.
+        assert await stop(serve) == 0, serve.output
+    rows = await pool.fetch(
+        "SELECT state, attempts, next_attempt_at <= now() AS due FROM webhook_event"
+    )
+    assert [tuple(r) for r in rows] == [("pending", 0, True)] * 2
