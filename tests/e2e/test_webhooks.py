@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import free_port, run_pigeon
 from tests.e2e.serve_process import ServeProcess
-from tests.e2e.test_outbound_engine import start_engine, stop
+from tests.e2e.test_outbound_engine import engine_config, start_engine, stop
 from tests.peers.smtp_sink import SinkState, start_sink, stop_servers
 from tests.peers.webhook_receiver import WebhookReceiver
 
@@ -392,3 +392,33 @@ async def test_sigterm_hands_back_the_events_of_stalled_requests_at_once(
         "SELECT state, attempts, next_attempt_at <= now() AS due FROM webhook_event"
     )
     assert [tuple(r) for r in rows] == [("pending", 0, True)] * 2
+
+
+async def test_two_worker_processes_send_each_event_once_and_count_together(
+    tmp_path: Path,
+    db_url: str,
+    pool: asyncpg.Pool,
+    org_id: uuid.UUID,
+    sink: tuple[SinkState, int],
+    receivers: list[WebhookReceiver],
+) -> None:
+    _state, port = sink
+    receiver = WebhookReceiver()
+    receivers.append(receiver)
+    await receiver.start()
+    _id, receiver.secret = add_webhook(db_url, "acme", receiver.url, "--events", "delivered")
+    path = engine_config(tmp_path, db_url, "node-a", port, delivery=webhook_config())
+    path.write_text(path.read_text().replace("processes = 1\n", "processes = 2\n"))
+    serve = ServeProcess("--config", str(path))
+    try:
+        await asyncio.to_thread(serve.wait_for, "delivery engine started", 60)
+        await queue_mail(pool, org_id, [f"user{i}@dest.test" for i in range(40)])
+        await wait_db(
+            pool, "SELECT count(*) = 40 AND bool_and(state = 'delivered') FROM webhook_event"
+        )
+        delivered = await metric(tmp_path, 'pigeon_webhook_deliveries_total{outcome="delivered"}')
+    finally:
+        assert await stop(serve) == 0, serve.output
+    ids = [r.webhook_id for r in receiver.requests]
+    assert len(ids) == len(set(ids)) == 40 and all(r.verified for r in receiver.requests)
+    assert delivered == 'pigeon_webhook_deliveries_total{outcome="delivered"} 40.0'
