@@ -171,8 +171,9 @@ async def worker_services(
     from pigeon_mta.signer import DkimSigner
     from pigeon_mta.store.notify import QueueWaker
 
-    # Imported here: admin commands import this module and need no SMTP code.
+    # Imported here: admin commands import this module and need no SMTP or HTTP client code.
     from pigeon_mta.submission.service import SubmissionService
+    from pigeon_mta.webhooks.sender import WebhookSender
 
     # The pools close in reverse order, each whatever happens to the other.
     async with contextlib.AsyncExitStack() as pools:
@@ -206,6 +207,9 @@ async def worker_services(
         # No NOTIFY for what this process's own engine takes at once (NotifySender).
         notifier = NotifySender(pool, waker, local_takes=engine.takes if engine else None)
         services: list[Service] = [_Resources([signer.close, delivery_log.close], notifier)]
+        # The webhook sender stops after the engine, sending the events of its last outcomes;
+        # it holds its own slots per endpoint and never waits on the engine (webhooks/sender.py).
+        services.append(WebhookSender(settings.webhooks, pool))
         # The engine stops after the listeners, delivering what they queued.
         if engine is not None:
             services.append(engine)

@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "queue": ("queue", "queue summary and administration"),
     "log": ("log", "where is a message, and why: its reception, every attempt, its state now"),
     "suppress": ("suppress", "suppression list"),
+    "webhook": ("webhooks", "HTTP endpoints told about an org's mail"),
 }
 
 EXIT_ERROR = 1

@@ -406,6 +406,23 @@ class BounceSettings:
     suppress_for: Duration = Duration(0)
 
 
+@dataclass(frozen=True)
+class WebhookSettings:
+    # An event is retried (with backoff and jitter) until it is this old; then it is marked
+    # failed, and `pigeon-mta webhook list` counts it.
+    max_age: Duration = Duration(86400)
+    # Requests each worker process has in flight to one endpoint at most: a stalled endpoint
+    # holds this many, and no more, while the others are served as usual.
+    concurrency_per_endpoint: int = 8
+    # A request that has no complete reply after this long counts as failed and is retried.
+    timeout: Duration = Duration(10)
+    # The delay before the first retry; each retry doubles it, up to retry_max.
+    retry_initial: Duration = Duration(10)
+    retry_max: Duration = Duration(3600)
+    # How often a sender looks for due events while it has nothing in flight.
+    poll_interval: Duration = Duration(1)
+
+
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 
@@ -463,6 +480,7 @@ class Settings:
     retention: RetentionSettings = field(default_factory=RetentionSettings)
     bounces: BounceSettings = field(default_factory=BounceSettings)
     log: LogSettings = field(default_factory=LogSettings)
+    webhooks: WebhookSettings = field(default_factory=WebhookSettings)
     # Lanes by name: always "transactional" and "bulk", and those [lanes.NAME] declares.
     lanes: dict[str, LaneSettings] = field(default_factory=default_lanes)
     # Where the settings came from, for messages ("built-in defaults" or a path).

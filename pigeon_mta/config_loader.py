@@ -266,6 +266,7 @@ def _check(settings: Settings) -> None:
             ) from None
     if settings.database.pool_size < 1:
         raise ConfigError("'database.pool_size' must be at least 1")
+    _check_webhooks(settings)
     warn_after = settings.bounces.delay_warning_after
     if warn_after < 0 or (warn_after > 0 and warn_after >= delivery.max_age):
         raise ConfigError(
@@ -302,6 +303,10 @@ _MORE_THAN_ZERO = (
     "delivery.sweep_interval",
     "dns.timeout",
     "metrics.stats_interval",
+    "webhooks.max_age",
+    "webhooks.poll_interval",
+    "webhooks.retry_initial",
+    "webhooks.timeout",
 )
 
 
@@ -356,6 +361,15 @@ def _check_outbound(delivery: DeliverySettings) -> None:
         raise ConfigError("'delivery.backoff_step' must be more than 0 and at most 1")
     if delivery.backoff_quiet <= 0:
         raise ConfigError("'delivery.backoff_quiet' must be more than zero")
+
+
+def _check_webhooks(settings: Settings) -> None:
+    webhooks = settings.webhooks
+    # Each request in flight holds a task and a connection: thousands per endpoint is a mistake.
+    if not 1 <= webhooks.concurrency_per_endpoint <= 1000:
+        raise ConfigError("'webhooks.concurrency_per_endpoint' must be from 1 to 1000")
+    if webhooks.retry_max < webhooks.retry_initial:
+        raise ConfigError("'webhooks.retry_max' must not be less than 'webhooks.retry_initial'")
 
 
 def _check_submission(settings: Settings) -> None:

@@ -21,6 +21,7 @@ from pigeon_mta.store import duplicates as store_duplicates
 from pigeon_mta.store import events as store_events
 from pigeon_mta.store import leases as store_leases
 from pigeon_mta.store import upkeep as store_upkeep
+from pigeon_mta.store import webhooks as store_webhooks
 from pigeon_mta.store.connect import DB_ERRORS
 
 # Logged under the name of the command it runs in: the name is a field of every log line.
@@ -136,6 +137,9 @@ class Maintenance:
                 )
         # Duplicate-window entries whose window ended; duplicate receptions with their messages.
         await store_duplicates.prune(self.pool, keep_records=keep)
+        if keep > 0:
+            # Webhook events sent or given up, as old as the mail they report on.
+            await store_webhooks.prune_finished_events(self.pool, older_than=keep)
 
 
 def lane_max_ages(settings: Settings) -> list[store_upkeep.LaneMaxAge]:

@@ -114,6 +114,19 @@ QUEUE_DUE_RECIPIENTS = Gauge(
     multiprocess_mode="mostrecent",
 )
 
+# ---------------------------------------------------------------- webhooks
+WEBHOOK_DELIVERIES = Counter(
+    "pigeon_webhook_deliveries",
+    "Webhook requests by what became of their event: delivered (2xx), retried (no 2xx, tried "
+    "again later), failed (no 2xx within webhooks.max_age: given up)",
+    ["outcome"],
+)
+WEBHOOK_BACKLOG = Gauge(
+    "pigeon_webhook_backlog",
+    "Webhook events waiting to be sent, cluster-wide",
+    multiprocess_mode="mostrecent",
+)
+
 # ---------------------------------------------------------------- processes and readiness
 # Each worker sets its own value; the node's value is the sum over live processes.
 LISTENERS_BOUND = Gauge(
@@ -141,6 +154,7 @@ DELIVERY_LOG_ERRORS = Counter(
 # series that appears with its first increment starts at 1, and that 1 is never seen as a rise).
 DELIVERY_OUTCOMES = ("delivered", "deferred", "bounced", "expired", "suppressed")
 DKIM_ALGORITHMS = ("rsa", "ed25519")
+WEBHOOK_OUTCOMES = ("delivered", "retried", "failed")
 DKIM_UNSIGNED_REASONS = ("no_key", "no_from_domain", "malformed")
 
 
@@ -154,6 +168,8 @@ def start_at_zero(listeners: Iterable[str]) -> None:
         LISTENERS_BOUND.labels(listener=name)
     for outcome in DELIVERY_OUTCOMES:
         DELIVERIES.labels(outcome=outcome)
+    for outcome in WEBHOOK_OUTCOMES:
+        WEBHOOK_DELIVERIES.labels(outcome=outcome)
     for algorithm in DKIM_ALGORITHMS:
         DKIM_SIGNATURES.labels(algorithm=algorithm)
     for reason in DKIM_UNSIGNED_REASONS:

@@ -45,7 +45,12 @@ def family_name(collector: Any) -> str:
 # Set by the supervisor from its queue stats query; the workers' copies are never set.
 SUPERVISOR_OWNED = frozenset(
     family_name(m)
-    for m in (metrics.QUEUE_RECIPIENTS, metrics.QUEUE_OLDEST_AGE, metrics.QUEUE_DUE_RECIPIENTS)
+    for m in (
+        metrics.QUEUE_RECIPIENTS,
+        metrics.QUEUE_OLDEST_AGE,
+        metrics.QUEUE_DUE_RECIPIENTS,
+        metrics.WEBHOOK_BACKLOG,
+    )
 )
 
 

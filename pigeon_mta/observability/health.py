@@ -57,6 +57,7 @@ class QueueGauges:
                 metrics.QUEUE_RECIPIENTS.labels(status=status, lane=name).set(count)
             metrics.QUEUE_OLDEST_AGE.labels(lane=name).set(lane.oldest_due_age if lane else 0.0)
         metrics.QUEUE_DUE_RECIPIENTS.set(stats.due)
+        metrics.WEBHOOK_BACKLOG.set(stats.webhook_backlog)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from pigeon_mta.model import (
     storable_text,
 )
 from pigeon_mta.store.executor import Executor
+from pigeon_mta.store.webhooks import event_payload, header_message_id
 
 # ---------------------------------------------------------------- claim
 
@@ -158,14 +159,28 @@ def _last_reply(row: asyncpg.Record) -> Reply | None:
 
 # ---------------------------------------------------------------- record
 
-# One statement: the recipient rows move (only where the claim still holds, see module doc) and the
-# attempt rows are appended, each saying whether its outcome was applied. It runs on connections
-# that plan it once (store/connect.py `record_pool`), so nothing in it may let that plan depend on
-# the table's size: the status it fences on is a parameter ($21, 'delivering'), not a constant,
-# for with a constant PostgreSQL may read the rows through the partial indexes of live rows while
-# the table is small (recipient_live, recipient_leased), and keep that plan once they are many.
-# As it is, the one index the plan can use is the primary key.
-_RECORD = """
+_WEBHOOK_PAYLOAD = event_payload(
+    type_="v.outcome",
+    queue_id="v.message_id",
+    recipient_id="v.recipient_id",
+    recipient="u.address",
+    message_id=header_message_id("v.message_id"),
+    code="v.code",
+    enhanced_code="v.enhanced_code",
+    response="v.response",
+    category="v.category",
+    attempt="v.attempt",
+)
+
+# One statement: the recipient rows move (only where the claim still holds, see module doc), the
+# attempt rows are appended, each saying whether its outcome was applied, and the webhook events of
+# the applied outcomes go to the outbox (pigeon_mta/webhooks/), committed with them. It runs on
+# connections that plan it once (store/connect.py `record_pool`), so nothing in it may let that
+# plan depend on the table's size: the status it fences on is a parameter ($21, 'delivering'),
+# not a constant, for with a constant PostgreSQL may read the rows through the partial indexes of
+# live rows while the table is small (recipient_live, recipient_leased), and keep that plan once
+# they are many. As it is, the one index the plan can use is the primary key.
+_RECORD = f"""
 WITH v AS (
     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::int[], $6::text[],
                          $7::timestamptz[], $8::float8[], $9::timestamptz[], $10::text[],
@@ -188,7 +203,16 @@ WITH v AS (
         updated_at = now()
     FROM v
     WHERE r.id = v.recipient_id AND r.status = $21 AND r.attempts = v.attempt
-    RETURNING r.id, r.attempts
+    RETURNING r.id, r.attempts, r.address
+), w AS (
+    INSERT INTO webhook_event (id, webhook_id, type, payload)
+    SELECT pigeon_uuid7(), h.id, v.outcome, {_WEBHOOK_PAYLOAD}
+    -- Applied outcomes only, one event per webhook of the org that takes the outcome's type.
+    -- When no org of the batch has a webhook, the EXISTS (one probe of webhook_org per distinct
+    -- org) is false and the join is never run: nothing is read or written.
+    FROM v JOIN u ON u.id = v.recipient_id AND u.attempts = v.attempt
+    JOIN webhook h ON h.org_id = v.org_id AND v.outcome = ANY (h.events)
+    WHERE EXISTS (SELECT FROM webhook WHERE org_id = ANY ($4::uuid[]))
 ), a AS (
     INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, duration_ms,
                          mx_host, ip, port, tls_version, tls_cipher, code, enhanced_code, response,

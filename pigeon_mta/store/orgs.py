@@ -111,6 +111,10 @@ _REMOVE = (
     "DELETE FROM dkim_key WHERE org_id = $1",
     "DELETE FROM sender_domain WHERE org_id = $1",
     "DELETE FROM credential WHERE org_id = $1",
+    # Webhook events have no foreign key (migration 0020): reached through their webhooks.
+    """DELETE FROM webhook_event WHERE webhook_id IN (
+           SELECT id FROM webhook WHERE org_id = $1)""",
+    "DELETE FROM webhook WHERE org_id = $1",
 )
 
 
@@ -133,5 +137,5 @@ async def remove_org(db: asyncpg.Connection, name: str, *, force: bool) -> OrgRe
             raise OrgBusy(waiting)
         counts = [int((await db.execute(statement, org.id)).split()[-1]) for statement in _REMOVE]
         await db.execute("DELETE FROM org WHERE id = $1", org.id)
-    suppressions, _attempts, messages, keys, domains, users = counts
+    suppressions, _attempts, messages, keys, domains, users = counts[:6]
     return OrgRemoval(org, waiting, users, domains, keys, suppressions, messages)

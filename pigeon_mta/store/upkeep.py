@@ -8,8 +8,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pigeon_mta.store.executor import Executor
+from pigeon_mta.store.webhooks import backlog as webhook_backlog
+from pigeon_mta.store.webhooks import event_payload, header_message_id
 
 # ---------------------------------------------------------------- expiry
+
+# What the attempt log and the `expired` webhook event say of an expiry.
+_EXPIRE_RESPONSE = (
+    "'expired after ' || e.max_age_text || ' in the queue; last reply: '\n"
+    "           || COALESCE(e.last_response, 'none')"
+)
+_WEBHOOK_PAYLOAD = event_payload(
+    type_="'expired'",
+    queue_id="e.message_id",
+    recipient_id="e.id",
+    recipient="e.address",
+    message_id=header_message_id("e.message_id"),
+    code="e.last_code",
+    enhanced_code="e.last_enhanced_code",
+    response=_EXPIRE_RESPONSE,
+    category="'expired'",
+    attempt="e.attempts",
+)
 
 # Reads only live rows older than the shortest max_age (a range of recipient_live, by created_at),
 # and of those only due ones: mail that is not due waits for its next attempt, where the engine's
@@ -17,7 +37,7 @@ from pigeon_mta.store.executor import Executor
 # with its text $6) replaces delivery.max_age ($1, $3) for the rows of that lane; $7, the
 # shortest of them, bounds created_at for every row, so that rows too young for any lane are
 # passed over at once.
-_EXPIRE = """
+_EXPIRE = f"""
 WITH lane_age AS (
     SELECT * FROM unnest($4::text[], $5::float8[], $6::text[]) AS l (lane, max_age, max_age_text)
 ), old AS (
@@ -33,15 +53,17 @@ WITH lane_age AS (
     SET status = 'expired', updated_at = now(), lease_until = NULL, lease_owner = NULL
     FROM old WHERE r.id = old.id
     RETURNING r.id, r.message_id, r.org_id, r.attempts, r.last_code, r.last_enhanced_code,
-              r.last_response, old.max_age_text
+              r.last_response, old.max_age_text, r.address
+), w AS (
+    -- The `expired` webhook events, committed with the expiry (store/webhooks.py).
+    INSERT INTO webhook_event (id, webhook_id, type, payload)
+    SELECT pigeon_uuid7(), h.id, 'expired', {_WEBHOOK_PAYLOAD}
+    FROM e JOIN webhook h ON h.org_id = e.org_id AND 'expired' = ANY (h.events)
 )
 INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, outcome,
                      code, enhanced_code, response, category)
 SELECT gen_random_uuid(), e.id, e.message_id, e.org_id, e.attempts, now(), 'expired',
-       e.last_code, e.last_enhanced_code,
-       'expired after ' || e.max_age_text || ' in the queue; last reply: '
-           || COALESCE(e.last_response, 'none'),
-       'expired'
+       e.last_code, e.last_enhanced_code, {_EXPIRE_RESPONSE}, 'expired'
 FROM e
 RETURNING recipient_id, message_id
 """
@@ -154,6 +176,7 @@ class QueueStats:
     delivering: int  # claimed, under a lease
     oldest_due_age: float  # seconds the longest-waiting due recipient has waited (0 if none)
     lanes: tuple[LaneStats, ...] = ()  # the lanes that have live rows, by name
+    webhook_backlog: int = 0  # webhook events waiting to be sent
 
 
 # Only the live part of the table is read (the queued rows and the leased ones, through their
@@ -201,4 +224,5 @@ async def queue_stats(db: Executor) -> QueueStats:
         delivering=sum(lane.delivering for lane in lanes),
         oldest_due_age=max((lane.oldest_due_age for lane in lanes), default=0.0),
         lanes=lanes,
+        webhook_backlog=await webhook_backlog(db),
     )

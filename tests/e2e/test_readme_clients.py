@@ -7,23 +7,29 @@ password; the host stays `localhost`.
 python / node / msmtp ──STARTTLS (self-signed cert, trusted)+AUTH──► pigeon submission
                                                                         │ PostgreSQL queue
                               aiosmtpd sink 127.0.0.2:port ◄──SMTP──────┘ ([delivery] relayhost)
+
+README's webhook signature check runs on a ping that `pigeon-mta webhook test` sent to a real
+aiohttp receiver.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.conftest import REPO, free_port, run_pigeon
 from tests.e2e.serve_process import ServeProcess, write_config
 from tests.peers.smtp_sink import SinkState, start_sink, stop_servers
+from tests.peers.webhook_receiver import WebhookReceiver
 
 README = (REPO / "README.md").read_text()
 NODE_MODULES = REPO / ".venv" / "peers" / "node" / "node_modules"
@@ -185,3 +191,35 @@ delivery_log = ""
     assert b"\r\n\r\nHi" in bodies  # Node.js
     [cron] = [m for m in received if b"Sent by msmtp." in m.data]
     assert b"\r\nFrom: app@example.com" in cron.data and b"root@client.test" not in cron.data
+
+
+async def test_readme_webhook_verification_accepts_a_real_ping_and_refuses_a_forgery(
+    db_url: str,
+) -> None:
+    """README's `verify`, run as written (only its SECRET placeholder replaced), on the request
+    that `pigeon-mta webhook test` sent to a real receiver."""
+    env = {"PIGEON_DATABASE_URL": db_url}
+    receiver = WebhookReceiver()
+    await receiver.start()
+    try:
+        assert run_pigeon("org", "add", "acme", env=env).returncode == 0
+        added = run_pigeon("webhook", "add", "acme", receiver.url, "--json", env=env)
+        assert added.returncode == 0, added.stderr
+        secret = json.loads(added.stdout)["secret"]
+        result = await asyncio.to_thread(
+            run_pigeon, "webhook", "test", json.loads(added.stdout)["id"], env=env
+        )
+        assert result.returncode == 0, result.stderr
+    finally:
+        await receiver.stop()
+    [ping] = receiver.requests
+
+    code = substitute(snippet("python", "webhook-signature"), {'"whsec_..."': repr(secret)})
+    namespace: dict[str, Any] = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    verify = namespace["verify"]
+    assert verify(ping.headers, ping.body) is True
+    assert verify(ping.headers, ping.body.replace(b"ping", b"pong")) is False
+    assert verify({**ping.headers, "webhook-id": "another"}, ping.body) is False
+    stale = str(int(ping.headers["webhook-timestamp"]) - 3600)
+    assert verify({**ping.headers, "webhook-timestamp": stale}, ping.body) is False

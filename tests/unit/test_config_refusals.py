@@ -36,6 +36,9 @@ HUGE = "1" + "0" * 400
         (f'[delivery.destination."x.example"]\nrate = {HUGE}\n', "delivery.destination"),
         ('[delivery.destination."x.example"]\nrate = nan\n', "delivery.destination"),
         ('[database]\nstatement_timeout = "30d"\n', "database.statement_timeout"),
+        (f"[webhooks]\nconcurrency_per_endpoint = {2**40}\n", "webhooks.concurrency_per_endpoint"),
+        ("[webhooks]\nconcurrency_per_endpoint = 0\n", "webhooks.concurrency_per_endpoint"),
+        ('[webhooks]\nretry_initial = "1h"\nretry_max = "1m"\n', "webhooks.retry_max"),
     ],
 )
 def test_non_finite_and_absurd_numbers_are_refused(tmp_path: Path, text: str, key: str) -> None:
@@ -54,6 +57,10 @@ def test_non_finite_and_absurd_numbers_are_refused(tmp_path: Path, text: str, ke
         "database.connect_timeout",
         "database.statement_timeout",
         "delivery.max_age",
+        "webhooks.max_age",
+        "webhooks.poll_interval",
+        "webhooks.retry_initial",
+        "webhooks.timeout",
     ],
 )
 def test_zero_is_refused_where_it_would_spin_or_fail_everything(tmp_path: Path, key: str) -> None:

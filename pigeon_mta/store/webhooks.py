@@ -1,0 +1,300 @@
+"""Webhooks and their outbox: the endpoints an org registers, the events waiting to be sent to them,
+and the sender's claims of those events.
+
+Event rows are written by the statements that record outcomes (store/leases.py, store/upkeep.py),
+with `event_payload` as their body; this module owns everything else about them. A claim takes due
+events FOR UPDATE SKIP LOCKED and moves each one lease ahead: an event whose sender died is due
+again when the lease has passed, so every event is sent at least once. The claim increments
+`attempts`, which fences the outcome as recipient.attempts does (store/leases.py).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+import asyncpg
+
+from pigeon_mta.ids import new_id
+from pigeon_mta.store.executor import Executor
+
+# The event types an endpoint may ask for; `webhook add` subscribes to all of them by default.
+EVENT_TYPES = ("delivered", "deferred", "bounced", "expired", "suppressed")
+
+PENDING = "pending"
+DELIVERED = "delivered"
+FAILED = "failed"
+
+
+def event_payload(
+    *,
+    type_: str,
+    queue_id: str,
+    recipient_id: str,
+    recipient: str,
+    message_id: str,
+    code: str,
+    enhanced_code: str,
+    response: str,
+    category: str,
+    attempt: str,
+) -> str:
+    """The SQL expression of an event's body, {"type", "timestamp", "data"}, from the column
+    expressions of the statement that writes it. The timestamp is the recording transaction's
+    time, in UTC with milliseconds."""
+    return f"""jsonb_build_object(
+        'type', {type_},
+        'timestamp', to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"'),
+        'data', jsonb_build_object(
+            'queue_id', {queue_id}, 'recipient_id', {recipient_id}, 'recipient', {recipient},
+            'message_id', {message_id}, 'code', {code}, 'enhanced_code', {enhanced_code},
+            'response', {response}, 'category', {category}, 'attempt', {attempt}))"""
+
+
+# The header Message-ID of a recorded outcome's message, read only for the rows that have a webhook
+# (a subquery in the select list runs once per row that reaches it).
+def header_message_id(message_id: str) -> str:
+    return f"(SELECT header_message_id FROM message WHERE id = {message_id})"
+
+
+# ---------------------------------------------------------------- endpoints
+
+
+@dataclass(frozen=True)
+class Webhook:
+    id: uuid.UUID
+    org_id: uuid.UUID
+    url: str
+    events: tuple[str, ...]
+    secret: str
+    created_at: datetime
+    last_status: int | None
+    last_attempt_at: datetime | None
+    last_error: str | None
+
+
+_COLUMNS = "id, org_id, url, events, secret, created_at, last_status, last_attempt_at, last_error"
+
+
+def _webhook(row: asyncpg.Record) -> Webhook:
+    return Webhook(
+        id=row["id"],
+        org_id=row["org_id"],
+        url=row["url"],
+        events=tuple(row["events"]),
+        secret=row["secret"],
+        created_at=row["created_at"],
+        last_status=row["last_status"],
+        last_attempt_at=row["last_attempt_at"],
+        last_error=row["last_error"],
+    )
+
+
+async def add_webhook(
+    db: Executor, org_id: uuid.UUID, url: str, events: Sequence[str], secret: str
+) -> Webhook:
+    row = await db.fetchrow(
+        f"INSERT INTO webhook (id, org_id, url, events, secret) VALUES ($1, $2, $3, $4, $5) "
+        f"RETURNING {_COLUMNS}",
+        new_id(),
+        org_id,
+        url,
+        list(events),
+        secret,
+    )
+    assert row is not None
+    return _webhook(row)
+
+
+async def find_webhook(db: Executor, webhook_id: uuid.UUID) -> Webhook | None:
+    row = await db.fetchrow(f"SELECT {_COLUMNS} FROM webhook WHERE id = $1", webhook_id)
+    return None if row is None else _webhook(row)
+
+
+@dataclass(frozen=True)
+class WebhookSummary:
+    webhook: Webhook
+    backlog: int  # events waiting to be sent
+    failed: int  # events given up after webhooks.max_age
+
+
+# Counted through webhook_event_due (pending) and by webhook for the failed ones: both follow what
+# is waiting or given up, not the history of delivered events.
+_LIST = f"""
+SELECT {", ".join("w." + c.strip() for c in _COLUMNS.split(","))},
+       (SELECT count(*) FROM webhook_event e
+        WHERE e.webhook_id = w.id AND e.state = 'pending') AS backlog,
+       (SELECT count(*) FROM webhook_event e
+        WHERE e.webhook_id = w.id AND e.state = 'failed') AS failed
+FROM webhook w
+WHERE $1::uuid IS NULL OR w.org_id = $1
+ORDER BY w.created_at, w.id
+"""
+
+
+async def list_webhooks(db: Executor, org_id: uuid.UUID | None = None) -> list[WebhookSummary]:
+    return [
+        WebhookSummary(_webhook(row), row["backlog"], row["failed"])
+        for row in await db.fetch(_LIST, org_id)
+    ]
+
+
+async def remove_webhook(db: asyncpg.Connection, webhook_id: uuid.UUID) -> bool:
+    """Delete a webhook and its events (sent or not) in one transaction; False if there is none."""
+    async with db.transaction():
+        await db.execute("DELETE FROM webhook_event WHERE webhook_id = $1", webhook_id)
+        tag = await db.execute("DELETE FROM webhook WHERE id = $1", webhook_id)
+    return tag != "DELETE 0"
+
+
+async def note_reply(
+    db: Executor, webhook_id: uuid.UUID, status: int | None, error: str | None
+) -> None:
+    """Remember the last request's reply on the webhook (`webhook list` shows it)."""
+    await db.execute(
+        "UPDATE webhook SET last_status = $2, last_error = $3, last_attempt_at = now() "
+        "WHERE id = $1",
+        webhook_id,
+        status,
+        error,
+    )
+
+
+# ---------------------------------------------------------------- the sender's claims
+
+
+@dataclass(frozen=True)
+class ClaimedEvent:
+    id: uuid.UUID
+    webhook_id: uuid.UUID
+    url: str
+    secret: str
+    body: bytes  # the payload as stored: the request body, signed as it is sent
+    attempts: int  # this claim's number (fencing token)
+    created_at: datetime
+
+
+# Cross-tenant by design, like the recipient claim: one sender serves every org's webhooks. Each
+# webhook gets up to its room ($1, less what this sender has in flight to it: $2/$3), oldest due
+# first, through webhook_event_due; a webhook with no room is not read at all, so a stalled
+# endpoint's backlog costs nothing here.
+_CLAIM = """
+WITH room AS (
+    SELECT h.id, h.url, h.secret, $1::int - COALESCE(b.busy, 0) AS room
+    FROM webhook h LEFT JOIN unnest($2::uuid[], $3::int[]) AS b (id, busy) ON b.id = h.id
+), picked AS (
+    SELECT e.id, r.url, r.secret FROM room r
+    CROSS JOIN LATERAL (
+        SELECT id FROM webhook_event
+        WHERE webhook_id = r.id AND state = 'pending' AND next_attempt_at <= now()
+        ORDER BY next_attempt_at LIMIT r.room
+        FOR UPDATE SKIP LOCKED) e
+    WHERE r.room > 0
+)
+UPDATE webhook_event e
+SET next_attempt_at = now() + make_interval(secs => $4), attempts = e.attempts + 1,
+    updated_at = now()
+FROM picked p WHERE e.id = p.id
+RETURNING e.id, e.webhook_id, p.url, p.secret, e.payload::text AS body, e.attempts, e.created_at
+"""
+
+
+async def claim_due_events(
+    db: Executor, *, room: int, busy: Mapping[uuid.UUID, int], lease: float
+) -> list[ClaimedEvent]:
+    """Claim due events, at most `room` per webhook less what `busy` says is in flight to it; each
+    is due again after `lease` seconds unless its outcome is recorded first."""
+    return [
+        ClaimedEvent(
+            id=row["id"],
+            webhook_id=row["webhook_id"],
+            url=row["url"],
+            secret=row["secret"],
+            body=row["body"].encode(),
+            attempts=row["attempts"],
+            created_at=row["created_at"],
+        )
+        for row in await db.fetch(_CLAIM, room, list(busy), list(busy.values()), float(lease))
+    ]
+
+
+@dataclass(frozen=True)
+class EventResult:
+    """What one request did for one claimed event."""
+
+    event: ClaimedEvent
+    state: str  # delivered, pending (tried again at next_attempt_at) or failed
+    status: int | None  # the HTTP status (None: no reply)
+    error: str | None  # why it was not accepted (None after a 2xx)
+    next_attempt_at: datetime | None = None  # only for pending
+
+
+# One statement for a batch: the events move (only for the claim that made each request), and each
+# webhook remembers a reply of the batch.
+_RECORD = """
+WITH v AS (
+    SELECT * FROM unnest($1::uuid[], $2::int[], $3::text[], $4::int[], $5::text[],
+                         $6::timestamptz[], $7::uuid[])
+        AS v (id, attempts, state, status, error, next_attempt_at, webhook_id)
+), e AS (
+    UPDATE webhook_event e
+    SET state = v.state, last_status = v.status, last_error = v.error,
+        next_attempt_at = COALESCE(v.next_attempt_at, e.next_attempt_at), updated_at = now()
+    FROM v WHERE e.id = v.id AND e.attempts = v.attempts AND e.state = 'pending'
+)
+UPDATE webhook h
+SET last_status = l.status, last_error = l.error, last_attempt_at = now()
+FROM (SELECT DISTINCT ON (webhook_id) webhook_id, status, error FROM v
+      ORDER BY webhook_id) l
+WHERE h.id = l.webhook_id
+"""
+
+
+async def record_event_results(db: Executor, results: Sequence[EventResult]) -> None:
+    if not results:
+        return
+    await db.execute(
+        _RECORD,
+        [r.event.id for r in results],
+        [r.event.attempts for r in results],
+        [r.state for r in results],
+        [r.status for r in results],
+        [r.error for r in results],
+        [r.next_attempt_at for r in results],
+        [r.event.webhook_id for r in results],
+    )
+
+
+# Claims the sender gives back unsent (it is stopping): due again at once, the request not counted.
+_RELEASE = """
+UPDATE webhook_event e
+SET next_attempt_at = now(), attempts = e.attempts - 1, updated_at = now()
+FROM unnest($1::uuid[], $2::int[]) AS v (id, attempts)
+WHERE e.id = v.id AND e.attempts = v.attempts AND e.state = 'pending'
+"""
+
+
+async def release_events(db: Executor, events: Sequence[ClaimedEvent]) -> None:
+    if events:
+        await db.execute(_RELEASE, [e.id for e in events], [e.attempts for e in events])
+
+
+async def backlog(db: Executor) -> int:
+    """Events waiting to be sent, to every webhook (the pigeon_webhook_backlog gauge)."""
+    return int(await db.fetchval("SELECT count(*) FROM webhook_event WHERE state = 'pending'"))
+
+
+# Finished events (delivered or failed) go after retention.messages, like the mail they report on.
+_PRUNE = """
+DELETE FROM webhook_event WHERE id IN (
+    SELECT id FROM webhook_event
+    WHERE state <> 'pending' AND created_at < now() - make_interval(secs => $1)
+    LIMIT $2)
+"""
+
+
+async def prune_finished_events(db: Executor, *, older_than: float, limit: int = 1000) -> int:
+    tag = await db.execute(_PRUNE, float(older_than), limit)
+    return int(tag.rsplit(" ", 1)[-1])

@@ -1,0 +1,232 @@
+"""The webhook sender: drains the outbox (store/webhooks.py) of due events with signed POSTs.
+
+Every worker process runs one. It claims only what it can send at once: for each endpoint, up to
+`webhooks.concurrency_per_endpoint` requests less those it has in flight there. An endpoint that
+stalls thus holds its own slots and nothing else: other endpoints are claimed and sent as usual,
+mail delivery shares nothing with it but the database pool (for one short statement at a time),
+and memory stays bounded by the slots, whatever the backlog. A request that gets no 2xx within
+`webhooks.timeout` is retried with exponential backoff and jitter until the event is
+`webhooks.max_age` old; then the event is marked failed and stays in the table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import random
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import aiohttp
+import asyncpg
+
+from pigeon_mta import __version__, metrics
+from pigeon_mta.config import WebhookSettings
+from pigeon_mta.store import webhooks as store_webhooks
+from pigeon_mta.store.connect import DB_ERRORS
+from pigeon_mta.store.webhooks import ClaimedEvent, EventResult
+from pigeon_mta.webhooks.signing import signed_headers
+
+log = logging.getLogger("pigeon_mta.webhooks")
+
+USER_AGENT = f"pigeon-mta/{__version__}"
+# Of a reply body, only this much is read (and discarded): enough to keep the connection for the
+# next request when the endpoint answers briefly, as endpoints do.
+REPLY_READ_LIMIT = 64 * 1024
+# A claim's lease beyond the request timeout: time to record the outcome before the event is due
+# again for another sender.
+LEASE_MARGIN = 10.0
+
+
+@dataclass(frozen=True)
+class HttpReply:
+    """What an endpoint answered: its status (None: no reply) and, unless 2xx, why it failed."""
+
+    status: int | None
+    error: str | None
+
+    @property
+    def accepted(self) -> bool:
+        return self.status is not None and 200 <= self.status <= 299
+
+
+def new_session(settings: WebhookSettings) -> aiohttp.ClientSession:
+    """The HTTP client of a sender: keep-alive connections, the request timeout of the settings.
+    The connector sets no limit of its own; the sender's per-endpoint slots are the limit."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0),
+        timeout=aiohttp.ClientTimeout(total=float(settings.timeout)),
+        headers={"User-Agent": USER_AGENT},
+    )
+
+
+async def post_event(
+    session: aiohttp.ClientSession, url: str, secret: str, event_id: str, body: bytes
+) -> HttpReply:
+    """POST one event, signed; never raises for what the endpoint or the network does."""
+    headers = {"Content-Type": "application/json", **signed_headers(secret, event_id, body)}
+    try:
+        async with session.post(url, data=body, headers=headers, allow_redirects=False) as reply:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                await reply.content.read(REPLY_READ_LIMIT)
+            if 200 <= reply.status <= 299:
+                return HttpReply(reply.status, None)
+            return HttpReply(reply.status, f"HTTP {reply.status} {reply.reason or ''}".strip())
+    except TimeoutError:
+        timeout = session.timeout.total
+        return HttpReply(None, f"no reply within {timeout:g}s")
+    except (aiohttp.ClientError, ValueError, OSError) as exc:
+        return HttpReply(None, f"{type(exc).__name__}: {exc}"[:500])
+
+
+def retry_delay(
+    attempts: int, initial: float, maximum: float, rng: random.Random | None = None
+) -> float:
+    """Seconds before the next request after `attempts` failed ones: doubling from `initial` up
+    to `maximum`, spread over +-25% so that the events of an endpoint that was down do not all
+    come back at the same moment."""
+    base = min(maximum, initial * 2.0 ** max(0, min(attempts - 1, 60)))
+    return (rng or random).uniform(base * 0.75, base * 1.25)
+
+
+def judge(
+    event: ClaimedEvent,
+    reply: HttpReply,
+    *,
+    settings: WebhookSettings,
+    now: datetime,
+    rng: random.Random | None = None,
+) -> EventResult:
+    """A request's reply -> the event's new state: delivered, pending until the next try, or
+    failed once the next try would come after webhooks.max_age."""
+    if reply.accepted:
+        return EventResult(event, store_webhooks.DELIVERED, reply.status, None)
+    delay = retry_delay(event.attempts, settings.retry_initial, settings.retry_max, rng)
+    next_at = now + timedelta(seconds=delay)
+    if next_at > event.created_at + timedelta(seconds=settings.max_age):
+        return EventResult(event, store_webhooks.FAILED, reply.status, reply.error)
+    return EventResult(event, store_webhooks.PENDING, reply.status, reply.error, next_at)
+
+
+class WebhookSender:
+    """One worker process's sender (a Service of app.worker_services)."""
+
+    name = "webhooks"
+
+    def __init__(self, settings: WebhookSettings, pool: asyncpg.Pool) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.lease = float(settings.timeout) + LEASE_MARGIN
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._wake = asyncio.Event()
+        # Requests in flight, by endpoint, and the event each task sends.
+        self._busy: collections.Counter[uuid.UUID] = collections.Counter()
+        self._sending: dict[asyncio.Task[None], ClaimedEvent] = {}
+        # Outcomes not recorded yet: at most one per slot.
+        self._results: list[EventResult] = []
+        self._db_healthy = True
+
+    async def start(self) -> None:
+        self._session = new_session(self.settings)
+        self._runner = asyncio.create_task(self._run(), name="webhook-sender")
+
+    async def stop(self, deadline: float) -> None:
+        """Claim nothing more; let requests in flight finish until `deadline`, record what they
+        did, and hand back the events of those still unanswered."""
+        self._stopping = True
+        self._wake.set()
+        loop = asyncio.get_running_loop()
+        if self._runner is not None:
+            await self._runner
+        if self._sending:
+            await asyncio.wait(list(self._sending), timeout=max(0.0, deadline - loop.time()))
+        unsent = list(self._sending.values())
+        for task in list(self._sending):
+            task.cancel()
+        await asyncio.gather(*self._sending, return_exceptions=True)
+        try:
+            await self._record()
+            await store_webhooks.release_events(self.pool, unsent)
+        except DB_ERRORS as exc:
+            # The events are due again when their leases pass: sent again, never lost.
+            log.warning("webhook sender could not record its last outcomes: %s", exc)
+        if self._session is not None:
+            await self._session.close()
+
+    # ------------------------------------------------------------ the loop
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            try:
+                await self._record()
+                claimed = await store_webhooks.claim_due_events(
+                    self.pool,
+                    room=self.settings.concurrency_per_endpoint,
+                    busy=self._busy,
+                    lease=self.lease,
+                )
+                if not self._db_healthy:
+                    log.info("webhook sender: database reachable again")
+                self._db_healthy = True
+            except DB_ERRORS as exc:
+                if self._db_healthy:
+                    log.warning("webhook sender cannot reach the database: %s", exc)
+                self._db_healthy = False
+                claimed = []
+            except Exception:
+                # The sender must outlive a bug in one round; the claims come back after
+                # their lease.
+                log.exception("webhook sender round failed")
+                claimed = []
+            for event in claimed:
+                self._busy[event.webhook_id] += 1
+                task = asyncio.create_task(self._send(event), name="webhook-post")
+                self._sending[task] = event
+                task.add_done_callback(self._sent)
+            # Until a request finishes (a slot is free, an outcome to record) or the poll
+            # interval passes (new events, retries that came due).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), float(self.settings.poll_interval))
+
+    async def _send(self, event: ClaimedEvent) -> None:
+        assert self._session is not None
+        reply = await post_event(self._session, event.url, event.secret, str(event.id), event.body)
+        result = judge(event, reply, settings=self.settings, now=datetime.now(UTC))
+        outcome = {"pending": "retried"}.get(result.state, result.state)
+        metrics.WEBHOOK_DELIVERIES.labels(outcome=outcome).inc()
+        if result.state == store_webhooks.FAILED:
+            log.warning(
+                "webhook %s: event %s failed after %d request(s) (%s); it is kept as failed",
+                event.webhook_id,
+                event.id,
+                event.attempts,
+                reply.error,
+            )
+        self._results.append(result)
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        event = self._sending.pop(task, None)
+        if event is not None:
+            self._busy[event.webhook_id] -= 1
+            if self._busy[event.webhook_id] <= 0:
+                del self._busy[event.webhook_id]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("webhook request failed unexpectedly", exc_info=task.exception())
+        self._wake.set()
+
+    async def _record(self) -> None:
+        """Record the outcomes gathered so far in one statement. If the database cannot be
+        reached they wait for the next round (no new claim is made meanwhile, so they stay few);
+        should this process die first, their events are due again when their leases pass."""
+        results, self._results = self._results, []
+        try:
+            await store_webhooks.record_event_results(self.pool, results)
+        except DB_ERRORS:
+            self._results = results + self._results
+            raise

@@ -1,0 +1,147 @@
+"""The webhook outbox through the real store: events written by the statements that record
+outcomes and expiries, and the sender's claims of them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import asyncpg
+
+from pigeon_mta.model import Envelope, Outcome, Reply
+from pigeon_mta.outbound import outcome
+from pigeon_mta.store import leases, queue, upkeep
+from pigeon_mta.store import webhooks as store_webhooks
+from tests.integration.test_bounces import claim_all, result
+
+BODY = b"From: alice@example.com\r\nMessage-ID: <m1@example.com>\r\n\r\nhi\r\n"
+
+
+async def send(pool: asyncpg.Pool, org_id: uuid.UUID, *recipients: str) -> uuid.UUID:
+    return await queue.enqueue(
+        pool,
+        Envelope(
+            org_id=org_id,
+            sender="alice@example.com",
+            recipients=recipients,
+            body=BODY,
+            listener="relay",
+            header_message_id="m1@example.com",
+        ),
+    )
+
+
+async def events(pool: asyncpg.Pool) -> list[dict[str, Any]]:
+    rows = await pool.fetch("SELECT type, payload FROM webhook_event ORDER BY id")
+    return [{"row_type": r["type"], **json.loads(r["payload"])} for r in rows]
+
+
+async def test_expiry_writes_an_expired_event_with_the_last_reply(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    await store_webhooks.add_webhook(pool, org_id, "http://127.0.0.1:1/", ["expired"], "whsec_x")
+    queue_id = await send(pool, org_id, "bob@example.net")
+    [delivery] = await claim_all(pool)
+    later = datetime.now(UTC)
+    greylisted = Reply(451, "4.7.1", "greylisted")
+    deferred = dataclasses.replace(
+        result(delivery, "bob@example.net", Outcome.DEFERRED, greylisted), next_attempt_at=later
+    )
+    await leases.record_attempts(pool, [deferred])
+    assert await events(pool) == []  # deferred: not asked for
+    await pool.execute("UPDATE recipient SET created_at = now() - interval '6 days'")
+
+    expired = await upkeep.expire_old_recipients(pool, max_age=5 * 86400, max_age_text="5d")
+
+    assert len(expired) == 1
+    [event] = await events(pool)
+    assert (event["row_type"], event["type"]) == ("expired", "expired")
+    assert event["data"] == {
+        "queue_id": str(queue_id),
+        "recipient_id": str(expired[0].recipient_id),
+        "recipient": "bob@example.net",
+        "message_id": "m1@example.com",
+        "code": 451,
+        "enhanced_code": "4.7.1",
+        "response": "expired after 5d in the queue; last reply: greylisted",
+        "category": "expired",
+        "attempt": 1,
+    }
+
+
+async def test_suppressed_outcomes_are_events_and_stale_claims_are_not(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    await store_webhooks.add_webhook(pool, org_id, "http://127.0.0.1:1/", ["suppressed"], "s")
+    await store_webhooks.add_webhook(pool, org_id, "http://127.0.0.1:2/", ["delivered"], "s")
+    await send(pool, org_id, "gone@example.net", "ok@example.net")
+    await pool.execute(
+        "INSERT INTO suppression (id, org_id, address, reason, source) "
+        "VALUES (gen_random_uuid(), $1, 'gone@example.net', 'by hand', 'manual')",
+        org_id,
+    )
+    [delivery] = await claim_all(pool)
+    keep, suppressed = outcome.split_suppressed([delivery], now=datetime.now(UTC))
+    ok = result(keep[0], "ok@example.net", Outcome.DELIVERED, Reply(250, "2.0.0", "ok"))
+    stale = dataclasses.replace(ok, attempt=ok.attempt + 1)  # a claim that no longer holds
+
+    await leases.record_attempts(pool, [*suppressed, stale])
+    await leases.record_attempts(pool, [ok])
+
+    found = sorted((e["type"], e["data"]["recipient"]) for e in await events(pool))
+    assert found == [("delivered", "ok@example.net"), ("suppressed", "gone@example.net")]
+
+
+async def test_a_claim_takes_no_more_than_the_room_of_each_endpoint(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    first = await store_webhooks.add_webhook(pool, org_id, "http://127.0.0.1:1/", ["x"], "s")
+    second = await store_webhooks.add_webhook(pool, org_id, "http://127.0.0.1:2/", ["x"], "s")
+    for hook in (first, second):
+        await pool.execute(
+            "INSERT INTO webhook_event (id, webhook_id, type, payload) "
+            "SELECT gen_random_uuid(), $1, 'delivered', '{}' FROM generate_series(1, 5)",
+            hook.id,
+        )
+    claimed = await store_webhooks.claim_due_events(pool, room=3, busy={first.id: 2}, lease=60)
+    by_hook = [e.webhook_id for e in claimed]
+    assert (by_hook.count(first.id), by_hook.count(second.id)) == (1, 3)
+    # Claimed events are not due again until their lease passes.
+    again = await store_webhooks.claim_due_events(pool, room=10, busy={}, lease=60)
+    assert len(again) == 10 - 4 and not {e.id for e in again} & {e.id for e in claimed}
+    # An outcome counts only for the claim that made the request.
+    event = claimed[0]
+    stale = dataclasses.replace(event, attempts=event.attempts + 1)
+    await store_webhooks.record_event_results(
+        pool,
+        [store_webhooks.EventResult(stale, store_webhooks.DELIVERED, 204, None)],
+    )
+    assert await pool.fetchval("SELECT state FROM webhook_event WHERE id = $1", event.id) == (
+        "pending"
+    )
+    await store_webhooks.release_events(pool, [event])
+    row = await pool.fetchrow(
+        "SELECT attempts, next_attempt_at <= now() AS due FROM webhook_event WHERE id = $1",
+        event.id,
+    )
+    assert row is not None and (row["attempts"], row["due"]) == (0, True)
+
+
+async def test_removing_an_org_removes_its_webhooks_and_their_events(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    from pigeon_mta.store import orgs
+
+    hook = await store_webhooks.add_webhook(pool, org_id, "http://127.0.0.1:1/", ["x"], "s")
+    await pool.execute(
+        "INSERT INTO webhook_event (id, webhook_id, type, payload) "
+        "VALUES (gen_random_uuid(), $1, 'delivered', '{}')",
+        hook.id,
+    )
+    async with pool.acquire() as conn:
+        assert await orgs.remove_org(conn, "acme", force=False) is not None
+    assert await pool.fetchval("SELECT count(*) FROM webhook") == 0
+    assert await pool.fetchval("SELECT count(*) FROM webhook_event") == 0
