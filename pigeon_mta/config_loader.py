@@ -243,6 +243,7 @@ def _check(settings: Settings) -> None:
             )
     _check_submission(settings)
     _check_lanes(settings)
+    _check_api(settings)
     delivery = settings.delivery
     if delivery.retry_initial <= 0:
         raise ConfigError("'delivery.retry_initial' must be more than zero")
@@ -371,6 +372,17 @@ def _check_submission(settings: Settings) -> None:
     for key in ("max_from_addresses", "max_from_length"):
         if getattr(limits, key) < 1:
             raise ConfigError(f"'limits.{key}' must be at least 1")
+
+
+def _check_api(settings: Settings) -> None:
+    api = settings.api
+    if bool(api.tls_cert) != bool(api.tls_key):
+        raise ConfigError("set both 'api.tls_cert' and 'api.tls_key', or neither")
+    taken = {str(listener.address) for listener in settings.listener}
+    taken.add(str(settings.metrics.listen))
+    if api.listen.port and str(api.listen) in taken:
+        # SO_REUSEPORT would let both bind, and split the connections between them.
+        raise ConfigError(f"'api.listen' {api.listen} is the address of a listener or of metrics")
 
 
 def _check_host_port(value: str, key: str, default_port: int) -> None:
