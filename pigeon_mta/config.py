@@ -387,6 +387,11 @@ class MetricsSettings:
     stats_interval: Duration = Duration(5)
 
 
+# The listener name HTTP API mail is stored and counted under (message.listener, the metrics'
+# `listener` label); no [[listener]] may take it.
+API_LISTENER = "api"
+
+
 @dataclass(frozen=True)
 class ApiSettings:
     # The HTTP API (POST /v1/messages, ...), served by every worker process on this address.

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pigeon_mta.config import (
+    API_LISTENER,
     DeliverySettings,
     Duration,
     HostPort,
@@ -236,6 +237,9 @@ def _check(settings: Settings) -> None:
     for name in names:
         if names.count(name) > 1:
             raise ConfigError(f"listener name '{name}' is used twice")
+        if name == API_LISTENER:
+            # API mail is stored and counted under this name (store/apikeys.py).
+            raise ConfigError(f"listener name '{name}' is reserved for the HTTP API")
     for listener in settings.listener:
         if bool(listener.tls_cert) != bool(listener.tls_key):
             raise ConfigError(
