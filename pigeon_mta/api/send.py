@@ -17,14 +17,11 @@ the queued rows: the same body either way.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import ipaddress
 import json
 import logging
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
-from email.utils import format_datetime
 
 import asyncpg
 from aiohttp import web
@@ -33,13 +30,14 @@ from pigeon_mta import model
 from pigeon_mta.api import problems
 from pigeon_mta.api.auth import authenticate
 from pigeon_mta.api.compose import Submission, from_json, from_raw
+from pigeon_mta.api.envelope import api_trace, client_ip, queued_as
+from pigeon_mta.api.idempotency import Idempotency, json_response
 from pigeon_mta.api.policy import ApiSenderPolicy
 from pigeon_mta.api.problems import Problem
-from pigeon_mta.config import API_LISTENER, DEFAULT_LANE, Settings
+from pigeon_mta.config import DEFAULT_LANE, Settings
 from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.ids import new_id
 from pigeon_mta.message import HeaderTooLarge
-from pigeon_mta.store import idempotency as store_idempotency
 from pigeon_mta.store import queue as store_queue
 from pigeon_mta.store.apikeys import ApiKey, auth_user_of
 from pigeon_mta.store.connect import DB_ERRORS
@@ -53,7 +51,6 @@ log = logging.getLogger("pigeon_mta.api")
 
 JSON = "application/json"
 RAW = "message/rfc822"
-MAX_IDEMPOTENCY_KEY = 255
 
 
 class SendHandler:
@@ -81,12 +78,11 @@ class SendHandler:
                 f"The Content-Type '{_cut(request.content_type)}' is neither {JSON} nor {RAW}.",
             )
         body = await request.read()
-        idempotency_key = _idempotency_key(request)
-        request_hash = _request_hash(request, body)
+        idempotency = Idempotency.of(request, body, self.pool, key.org_id)
         queue_id = new_id()
         claimed = False
-        if idempotency_key is not None:
-            earlier = await self._earlier(key, idempotency_key, request_hash)
+        if idempotency is not None:
+            earlier = await idempotency.earlier()
             if isinstance(earlier, web.Response):
                 return earlier
             if earlier is not None:
@@ -100,65 +96,32 @@ class SendHandler:
             fixed = self._fixups(request, key, submission, queue_id, received_at, new_message_id)
             await self.policy.check_originators(key, fixed.address_fields)
             lane = self._lane(key, submission, fixed)
-            if idempotency_key is not None and not claimed:
-                taken = await self._claim(key, idempotency_key, request_hash, queue_id)
+            if idempotency is not None and not claimed:
+                taken = await idempotency.claim(queue_id)
                 if isinstance(taken, web.Response):
                     return taken
                 queue_id = taken
         except DB_ERRORS as exc:
             log.warning("API request of key %s: database trouble: %s", key.id, exc)
             raise problems.database_unavailable("the message was not queued") from None
-        # Only a Message-ID the client supplied says "the same message again" (as for SMTP).
-        duplicate_window = (
-            self.settings.limits.duplicate_window
+        message, reception = queued_as(
+            request,
+            key,
+            submission,
+            fixed,
+            lane=lane,
+            queue_id=queue_id,
+            received_at=received_at,
+            # Only a Message-ID the client supplied says "the same message again" (as for SMTP).
+            duplicate_window=self.settings.limits.duplicate_window
             if fixed.header_message_id != new_message_id
-            else 0.0
+            else 0.0,
         )
-        message, reception = _envelope(
-            request, key, submission, fixed, lane, queue_id, received_at, duplicate_window
-        )
-        answered_id = await self._enqueue(key, idempotency_key, message, reception)
+        answered_id = await self._enqueue(key, idempotency, message, reception)
         status, response = await self._answer(key, answered_id, submission.recipients)
-        if idempotency_key is not None:
-            try:
-                await store_idempotency.remember_answer(
-                    self.pool, key.org_id, idempotency_key, queue_id, status, response
-                )
-            except DB_ERRORS as exc:
-                # A repeat answers from the queued rows instead (see the module docstring).
-                log.warning("the answer for the Idempotency-Key of %s is not stored: %s",
-                            queue_id, exc)  # fmt: skip
-        return _json_response(status, response)
-
-    # ------------------------------------------------------------ Idempotency-Key
-
-    async def _earlier(
-        self, key: ApiKey, idempotency_key: str, request_hash: bytes
-    ) -> web.Response | uuid.UUID | None:
-        """The stored answer to an earlier use of the key, or the queue id of one not yet
-        answered, or None for a key not used yet (within the TTL)."""
-        try:
-            earlier = await store_idempotency.find(self.pool, key.org_id, idempotency_key)
-        except DB_ERRORS as exc:
-            log.warning("API request of key %s: database trouble: %s", key.id, exc)
-            raise problems.database_unavailable(
-                "the Idempotency-Key could not be looked up"
-            ) from None
-        return _replay(earlier, request_hash)
-
-    async def _claim(
-        self, key: ApiKey, idempotency_key: str, request_hash: bytes, queue_id: uuid.UUID
-    ) -> web.Response | uuid.UUID:
-        """The queue id to queue under: ours when the claim is, else that of the request that
-        claimed the key first (or its stored answer)."""
-        earlier = await store_idempotency.claim(
-            self.pool, key.org_id, idempotency_key, request_hash, queue_id
-        )
-        if earlier is None:
-            return queue_id
-        replayed = _replay(earlier, request_hash)
-        assert replayed is not None
-        return replayed
+        if idempotency is not None:
+            await idempotency.remember(queue_id, status, response)
+        return json_response(status, response)
 
     # ------------------------------------------------------------ the message
 
@@ -176,7 +139,7 @@ class SendHandler:
         trace = Trace(
             hostname=hostname,
             queue_id=str(queue_id),
-            client_ip=_client_ip(request) or "unknown",
+            client_ip=client_ip(request) or "unknown",
             helo=None,
             esmtp=True,
             smtputf8=False,
@@ -238,7 +201,7 @@ class SendHandler:
     async def _enqueue(
         self,
         key: ApiKey,
-        idempotency_key: str | None,
+        idempotency: Idempotency | None,
         message: model.Envelope,
         reception: Reception,
     ) -> uuid.UUID:
@@ -262,8 +225,8 @@ class SendHandler:
                 len(message.recipients),
                 exc,
             )
-            if idempotency_key is not None:
-                await self._forget(key, idempotency_key, reception.queue_id)
+            if idempotency is not None:
+                await idempotency.forget(reception.queue_id)
             raise problems.database_unavailable("the message was not queued") from None
         return self._announce(message, reception, duplicates)
 
@@ -288,12 +251,6 @@ class SendHandler:
         if task.cancelled() or task.exception() is not None:
             return
         self._announce(message, reception, task.result())
-
-    async def _forget(self, key: ApiKey, idempotency_key: str, queue_id: uuid.UUID) -> None:
-        try:
-            await store_idempotency.forget(self.pool, key.org_id, idempotency_key, queue_id)
-        except DB_ERRORS:
-            pass  # a repeat finds no message under the claimed id and queues it then
 
     async def _answer(
         self, key: ApiKey, queue_id: uuid.UUID, recipients: tuple[str, ...]
@@ -324,121 +281,6 @@ def _compose(request: web.Request, body: bytes, settings: Settings) -> Submissio
     return from_raw(
         body, request.query.getall("from", []), request.query.getall("to", []), settings.limits
     )
-
-
-def _replay(
-    earlier: store_idempotency.Remembered | None, request_hash: bytes
-) -> web.Response | uuid.UUID | None:
-    if earlier is None:
-        return None
-    if earlier.request_hash != request_hash:
-        raise Problem(
-            problems.IDEMPOTENCY_KEY_REUSED,
-            "The Idempotency-Key header was used within 24 hours for a request with another "
-            "body or query.",
-        )
-    if earlier.status is not None and earlier.response is not None:
-        return _json_response(earlier.status, earlier.response)
-    return earlier.queue_id
-
-
-def _envelope(
-    request: web.Request,
-    key: ApiKey,
-    submission: Submission,
-    fixed: Fixed,
-    lane: str,
-    queue_id: uuid.UUID,
-    received_at: datetime,
-    duplicate_window: float,
-) -> tuple[model.Envelope, Reception]:
-    client_ip = _client_ip(request)
-    tls_version, tls_cipher = _tls(request)
-    auth_user = auth_user_of(key.id)
-    message = model.Envelope(
-        org_id=key.org_id,
-        sender=str(submission.sender),
-        recipients=submission.recipients,
-        body=fixed.data,
-        listener=API_LISTENER,
-        header_message_id=fixed.header_message_id,
-        client_ip=client_ip,
-        auth_user=auth_user,
-        received_at=received_at,
-        tls_version=tls_version,
-        tls_cipher=tls_cipher,
-        duplicate_window=duplicate_window,
-        lane=lane,
-    )
-    reception = Reception(
-        queue_id=queue_id,
-        org_id=key.org_id,
-        listener=API_LISTENER,
-        client_ip=client_ip or "unknown",
-        helo=None,
-        auth_user=auth_user,
-        sender=str(submission.sender),
-        recipients=submission.recipients,
-        size=len(fixed.data),
-        header_message_id=fixed.header_message_id,
-        tls=f"{tls_version} {tls_cipher}" if tls_version else None,
-        received_at=received_at,
-        lane=lane,
-    )
-    return message, reception
-
-
-def api_trace(trace: Trace, key: ApiKey) -> bytes:
-    """The trace field of API mail, in place of an SMTP Received field: who sent it (the key's
-    id, never the key), from where, when, and its queue id."""
-    return (
-        f"X-Pigeon-Submitted: by {trace.hostname} (pigeon-mta) over HTTP\r\n"
-        f"\tfrom [{trace.client_ip}] with API key {key.id} id {trace.queue_id};\r\n"
-        f"\t{format_datetime(trace.received_at)}\r\n"
-    ).encode("ascii")
-
-
-def _idempotency_key(request: web.Request) -> str | None:
-    value = request.headers.get("Idempotency-Key")
-    if value is None:
-        return None
-    if not 0 < len(value) <= MAX_IDEMPOTENCY_KEY or not all(" " <= c <= "~" for c in value):
-        raise Problem(
-            problems.INVALID_HEADER,
-            f"The Idempotency-Key header must be 1 to {MAX_IDEMPOTENCY_KEY} printable ASCII "
-            "characters.",
-        )
-    return value
-
-
-def _request_hash(request: web.Request, body: bytes) -> bytes:
-    digest = hashlib.sha256()
-    for part in (request.method, request.path, request.query_string, request.content_type):
-        digest.update(part.encode("utf-8", "surrogateescape") + b"\0")
-    digest.update(body)
-    return digest.digest()
-
-
-def _client_ip(request: web.Request) -> str | None:
-    try:
-        return str(ipaddress.ip_address(request.remote or ""))
-    except ValueError:
-        return None
-
-
-def _tls(request: web.Request) -> tuple[str | None, str | None]:
-    transport = request.transport
-    ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
-    if ssl_object is None:
-        return None, None
-    cipher = ssl_object.cipher()
-    return ssl_object.version(), cipher[0] if cipher else None
-
-
-def _json_response(status: int, body: bytes) -> web.Response:
-    response = web.Response(status=status, body=body)
-    response.headers["Content-Type"] = JSON
-    return response
 
 
 def _cut(text: str, limit: int = 64) -> str:
