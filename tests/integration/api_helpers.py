@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import asyncpg
 
 from pigeon_mta.api.server import ApiService
-from pigeon_mta.config import ApiSettings, HostPort, Settings
+from pigeon_mta.config import HostPort, Settings
 from pigeon_mta.store import apikeys as store_apikeys
 from pigeon_mta.store import domains as store_domains
 from pigeon_mta.store import orgs as store_orgs
@@ -25,7 +25,7 @@ from tests.conftest import free_port
 
 @dataclass
 class Api:
-    url: str  # http://127.0.0.1:port
+    url: str  # http://127.0.0.1:port (https with [api] tls_cert)
     key: str  # a key of acme, which owns acme.example
     key_id: uuid.UUID
     other_key: str  # a key of other, which owns other.example
@@ -38,7 +38,7 @@ class Api:
 async def running_api(pool: asyncpg.Pool, settings: Settings | None = None) -> AsyncIterator[Api]:
     settings = settings or Settings()
     settings = dataclasses.replace(
-        settings, api=ApiSettings(listen=HostPort("127.0.0.1", free_port()))
+        settings, api=dataclasses.replace(settings.api, listen=HostPort("127.0.0.1", free_port()))
     )
     acme = await store_orgs.ensure_org(pool, "acme")
     other = await store_orgs.ensure_org(pool, "other")
@@ -52,8 +52,9 @@ async def running_api(pool: asyncpg.Pool, settings: Settings | None = None) -> A
     service = ApiService(settings, pool, GroupCommit(pool), on_queued=queued.append)
     await service.start()
     try:
+        scheme = "https" if settings.api.tls_cert else "http"
         yield Api(
-            f"http://127.0.0.1:{service.server.port}",
+            f"{scheme}://127.0.0.1:{service.server.port}",
             key,
             key_row.id,
             other_key,
