@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +148,25 @@ delivery_log = "{tmp_path}/delivery.log"
     finally:
         serve.kill()
         await stop_servers([sink])
+
+
+def test_serve_exits_non_zero_when_the_api_cannot_bind(tmp_path: Path, db_url: str) -> None:
+    """Another program holds the API's port: serve says so and exits 1 (systemd restarts it)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = write_config(
+            tmp_path,
+            f'listener = []\n[server]\nnode_name = "api-bind"\ndata_dir = "{tmp_path}"\n'
+            f'[database]\nurl = "{db_url}"\n[api]\nlisten = "127.0.0.1:{port}"\n'
+            f'[metrics]\nlisten = "127.0.0.1:{free_port()}"\n',
+        )
+        serve = ServeProcess("--config", str(config), "--processes", "1")
+        try:
+            code = serve.proc.wait(60)
+        finally:
+            serve.kill()
+    assert code == 1, serve.output
+    assert f"the HTTP API cannot bind 'api.listen' 127.0.0.1:{port}" in serve.output
+    assert "Traceback" not in serve.output
