@@ -120,12 +120,12 @@ def from_json(body: bytes, limits: LimitsSettings) -> Submission:
     for name, value in _headers(request.get("headers")):
         _set(message, name, value, f"headers.{name}")
     if text is not None:
-        message.set_content(text)
+        message.set_content(text, cte=_cte(text))
     if html is not None:
         if text is None:
-            message.set_content(html, subtype="html")
+            message.set_content(html, subtype="html", cte=_cte(html))
         else:
-            message.add_alternative(html, subtype="html")
+            message.add_alternative(html, subtype="html", cte=_cte(html))
     for i, (filename, content_type, content) in enumerate(_attachments(request)):
         maintype, subtype = content_type.split("/")
         try:
@@ -142,6 +142,12 @@ def from_json(body: bytes, limits: LimitsSettings) -> Submission:
         ) from None
     _check_size(data, limits)
     return Submission(sender[0], recipients, data, lane)
+
+
+def _cte(text: str) -> str | None:
+    """Quoted-printable for non-ASCII text (the email package would pick 8bit for short lines,
+    which a destination without 8BITMIME cannot take); its own choice otherwise."""
+    return None if text.isascii() else "quoted-printable"
 
 
 def _string(request: Mapping[str, Any], name: str) -> str | None:
