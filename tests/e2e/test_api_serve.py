@@ -11,17 +11,32 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import signal
 import socket
+import subprocess
+import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import asyncpg
 
-from tests.conftest import free_port, run_pigeon
+from tests.conftest import REPO, free_port, run_pigeon
 from tests.e2e.serve_process import ServeProcess, write_config
 from tests.peers.smtp_sink import SinkState, start_sink, stop_servers
+
+README = REPO / "README.md"
+
+
+def readme_example(marker: str) -> str:
+    """README's ```python block that contains `marker`."""
+    blocks = re.findall(r"^```python\n(.*?)^```$", README.read_text(), re.M | re.S)
+    found = [block for block in blocks if marker in block]
+    assert len(found) == 1, f"README has {len(found)} python blocks with {marker!r}"
+    return str(found[0])
 
 
 def pigeon(db_url: str, *args: str) -> str:
@@ -131,6 +146,29 @@ delivery_log = "{tmp_path}/delivery.log"
         assert await settled(pool)
         assert state.deliveries() == {"ann@sink.test": 1, "bob@sink.test": 1, "cat@sink.test": 1}
         assert await pool.fetchval("SELECT count(*) FROM message") == 2
+
+        # README's Python example, with this node's port and the test's domains.
+        readme = readme_example("PIGEON_API_KEY")
+        for placeholder, value in (
+            ("127.0.0.1:8025", f"127.0.0.1:{api_port}"),
+            ("shop@example.com", "shop@acme.example"),
+            ("ann@example.net", "dan@sink.test"),
+        ):
+            assert placeholder in readme
+            readme = readme.replace(placeholder, value)
+        example = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-c", readme],
+            env={**os.environ, "PIGEON_API_KEY": key},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert example.returncode == 0, example.stderr
+        example_id = uuid.UUID(example.stdout.strip())
+        assert await pool.fetchval("SELECT sender FROM message WHERE id = $1", example_id) == (
+            "shop@acme.example"
+        )
 
         story = run_pigeon("log", queue_id, "--json", env={"PIGEON_DATABASE_URL": db_url})
         assert story.returncode == 0, story.stderr
