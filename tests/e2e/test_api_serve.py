@@ -1,6 +1,6 @@
 """The HTTP API of the real `pigeon-mta serve` (two worker processes sharing `[api] listen`): a
 message sent over HTTP is delivered to a sink and `pigeon-mta log` tells its story; an
-Idempotency-Key repeated five times queues and delivers it once.
+Idempotency-Key repeated five times queues and delivers it once; README's Python example works.
 
 aiohttp client ──HTTP──► [api] listen 127.0.0.1:port ── pigeon-mta serve (2 workers) ── PostgreSQL
 pigeon-mta apikey add / log                                │ [delivery] relayhost
