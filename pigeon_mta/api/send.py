@@ -213,7 +213,9 @@ class SendHandler:
         except asyncio.CancelledError:
             task.add_done_callback(lambda done: self._orphan_outcome(done, message, reception))
             raise
-        except asyncpg.UniqueViolationError:
+        except asyncpg.UniqueViolationError as exc:
+            if idempotency is None or exc.constraint_name != "message_pkey":
+                raise  # not a repeat: a fault, answered 500 and logged by the server
             # A repeat with the same Idempotency-Key queued this queue id first: answer as it.
             log.info("message %s was queued by a repeat of its request", reception.queue_id)
             return reception.queue_id
