@@ -180,11 +180,17 @@ async def worker_services(
         pools.push_async_callback(pool.close)
         commit_pool = await store_connect.commit_pool(url, settings)
         pools.push_async_callback(commit_pool.close)
+        record_pool = None
+        if settings.delivery.enabled:
+            record_pool = await store_connect.record_pool(url, settings)
+            pools.push_async_callback(record_pool.close)
         delivery_log = DeliveryLog.from_settings(settings)
         signer = DkimSigner.from_settings(pool, settings)
-        # One waker per process: the engine waits on it; LISTEN brings mail queued elsewhere, and
-        # this process's listeners wake it after each commit (NotifySender.poke), which also sends
-        # one coalesced NOTIFY for the other processes and nodes when this engine cannot take all.
+        # One waker per process: the engine waits on it; LISTEN brings mail queued elsewhere. The
+        # listeners' group commit hands this engine the mail it has room for (no claim, no
+        # wake-up); after a commit that queued mail for a claim it wakes it (NotifySender.poke),
+        # which also sends one coalesced NOTIFY for the other processes and nodes when this
+        # engine cannot take all.
         waker = QueueWaker(lambda: store_connect.connect(url, settings))
         engine = None
         if settings.delivery.enabled:
@@ -195,6 +201,7 @@ async def worker_services(
                 delivery_log=delivery_log,
                 waker=waker,
                 lease_owner=lease_owner,
+                record_pool=record_pool,
             )
         # No NOTIFY for what this process's own engine takes at once (NotifySender).
         notifier = NotifySender(pool, waker, local_takes=engine.takes if engine else None)
@@ -210,16 +217,12 @@ async def worker_services(
             delivery_log=delivery_log,
             on_queued=notifier.poke,
             commit_pool=commit_pool,
+            engine=engine,
         )
         services.append(submission)
-        # The API queues through the listeners' group commit: their messages share commits.
+        # The API queues through the listeners' group commit: their messages share commits, and
+        # it hands them to this process's engine or wakes the engines as theirs.
         services.append(
-            ApiService(
-                settings,
-                pool,
-                submission.group_commit,
-                delivery_log=delivery_log,
-                on_queued=notifier.poke,
-            )
+            ApiService(settings, pool, submission.group_commit, delivery_log=delivery_log)
         )
         yield services

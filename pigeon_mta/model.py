@@ -81,6 +81,21 @@ class Envelope:
     # The lane it is delivered in ([lanes] in the settings), chosen at reception
     # (submission/lanes.py); stored on the message and on each of its recipients.
     lane: str = "transactional"
+    # Set by the group commit when this process's engine takes the message as it is committed
+    # (store/group_commit.py): its recipients are queued already claimed by that engine.
+    handoff: Handoff | None = None
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A message queued straight into its process's engine: the recipient rows are written
+    `delivering`, leased to `owner` for `lease` seconds with attempt 1, as a claim would leave
+    them, so that the engine delivers them without claiming them from the queue. A process that
+    dies before it records them leaves leases that run out like a claim's."""
+
+    owner: str
+    lease: float
+    recipient_ids: tuple[uuid.UUID, ...]  # one per recipient, in the envelope's order
 
 
 def storable_text(text: str | None) -> str | None:

@@ -4,7 +4,8 @@ In order: the API key (auth.py); the Idempotency-Key; what the request asks to s
 the key's rate and the sender policy (policy.py); the fixups of submission/fixups.py, with a trace
 field naming the key instead of a Received field; the lane (submission/lanes.py); the group commit
 the SMTP listeners of this process share (store/group_commit.py); then, as after an SMTP commit,
-`reception.announce` (engines woken, Reception records, the "queued" log line). The 202 is sent
+`reception.announce` (Reception records, the "queued" log line; the group commit has handed the
+message to this process's engine or woken the engines). The 202 is sent
 only after the commit.
 
 An Idempotency-Key is claimed (store/idempotency.py) just before the enqueue, with the queue id
@@ -20,7 +21,6 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Callable
 from datetime import UTC, datetime
 
 import asyncpg
@@ -61,13 +61,11 @@ class SendHandler:
         group_commit: GroupCommit,
         *,
         delivery_log: DeliveryLog | None,
-        on_queued: Callable[[int], None],
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.group_commit = group_commit
         self.delivery_log = delivery_log
-        self.on_queued = on_queued
         self.policy = ApiSenderPolicy(settings, pool)
 
     async def post(self, request: web.Request) -> web.Response:
@@ -235,13 +233,7 @@ class SendHandler:
     def _announce(
         self, message: model.Envelope, reception: Reception, duplicates: Duplicates | None
     ) -> uuid.UUID:
-        return announce(
-            message,
-            reception,
-            duplicates,
-            delivery_log=self.delivery_log,
-            on_queued=self.on_queued,
-        )
+        return announce(message, reception, duplicates, delivery_log=self.delivery_log)
 
     def _orphan_outcome(
         self,

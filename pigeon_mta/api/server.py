@@ -40,14 +40,13 @@ def build_app(
     group_commit: GroupCommit,
     *,
     delivery_log: DeliveryLog | None = None,
-    on_queued: Callable[[int], None] = lambda _n: None,
 ) -> web.Application:
     size = settings.limits.max_message_size
     app = web.Application(
         client_max_size=size * 2 + _BODY_SLACK if size else _NO_LIMIT_BODY,
         middlewares=[_problems],
     )
-    send = SendHandler(settings, pool, group_commit, delivery_log=delivery_log, on_queued=on_queued)
+    send = SendHandler(settings, pool, group_commit, delivery_log=delivery_log)
     app.router.add_post("/v1/messages", send.post)
     app.router.add_get("/v1/openapi.json", _openapi)
     return app
@@ -96,12 +95,9 @@ class ApiService:
         group_commit: GroupCommit,
         *,
         delivery_log: DeliveryLog | None = None,
-        on_queued: Callable[[int], None] = lambda _n: None,
     ) -> None:
         self.settings = settings
-        app = build_app(
-            settings, pool, group_commit, delivery_log=delivery_log, on_queued=on_queued
-        )
+        app = build_app(settings, pool, group_commit, delivery_log=delivery_log)
         self.server = WebServer(app, settings.api.listen, reuse_port=True)
 
     async def start(self) -> None:

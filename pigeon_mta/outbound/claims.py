@@ -81,7 +81,9 @@ class Claims:
         # Claims whose whole message went out and whose transaction has no result yet.
         self._sent: set[uuid.UUID] = set()
         # Postponed claims waiting for their batch's statement (see `postpone`).
-        self._postponing: list[tuple[ClaimedRecipient, datetime, str, asyncio.Future[None]]] = []
+        self._postponing: list[
+            tuple[ClaimedRecipient, datetime, str | None, asyncio.Future[None]]
+        ] = []
         self._postponer: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
@@ -118,7 +120,7 @@ class Claims:
             del self._held[result.recipient_id]
 
     async def postpone(
-        self, recipients: Sequence[ClaimedRecipient], due_at: datetime, reason: str
+        self, recipients: Sequence[ClaimedRecipient], due_at: datetime, reason: str | None
     ) -> None:
         """Release these claims unattempted, due at `due_at`, with the reason they wait. The
         postponements of a claim round go back in one statement."""

@@ -3,7 +3,9 @@
 It waits for whichever comes first: a NOTIFY (new mail), the poll interval, or stop. Then it claims
 due recipients (as many as it has room for), groups them into one transaction per (message,
 destination), and runs each as a task (outbound/courier.py): sign, route, pass the destination's
-limits, deliver over a pooled connection, judge each recipient's result. Results are recorded in
+limits, deliver over a pooled connection, judge each recipient's result. New mail of this
+process's listeners that it has room for skips the claim: the group commit queues it already
+claimed by this engine and hands it over (`reserve` / `adopt`, store/group_commit.py). Results are recorded in
 batches, each batch in one database transaction (outbound/recorder.py). The claims it holds and
 their leases are kept in outbound/claims.py; long transactions keep theirs by renewal.
 
@@ -20,13 +22,14 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 import asyncpg
 
 from pigeon_mta.config import Settings
 from pigeon_mta.deliverylog import DeliveryLog
-from pigeon_mta.model import Delivery, Signed
+from pigeon_mta.model import ClaimedRow, Delivery, Signed
 from pigeon_mta.outbound.budgets import Budgets
 from pigeon_mta.outbound.claims import Claims, group_deliveries
 from pigeon_mta.outbound.courier import Courier, Postponed, Signer
@@ -65,7 +68,10 @@ class DeliveryEngine:
         delivery_log: DeliveryLog | None = None,
         waker: QueueWaker | None = None,
         lease_owner: str = "",
+        record_pool: asyncpg.Pool | None = None,
     ) -> None:
+        """`record_pool`: the connections results are recorded on (the worker gives the engine
+        its own, see `store.connect.record_pool`); `pool` when not given."""
         self.settings = settings
         self.delivery = settings.delivery
         # What its claims name as their holder: `serve` passes the node's run (pigeon_mta/node.py).
@@ -82,7 +88,9 @@ class DeliveryEngine:
             budgets=lambda connections: Budgets(settings, pool, connections, self.owner),
         )
         self.connections = self.courier.connections
-        self.recorder = Recorder(pool, settings, self.claims, delivery_log or DeliveryLog.open(""))
+        self.recorder = Recorder(
+            record_pool or pool, settings, self.claims, delivery_log or DeliveryLog.open("")
+        )
         # A waker shared with this process's listeners wakes the engine at once after they queue
         # mail; it also LISTENs for mail queued elsewhere.
         self.waker = waker or (QueueWaker(listen) if listen is not None else None)
@@ -96,6 +104,8 @@ class DeliveryEngine:
         self._renewer: asyncio.Task[None] | None = None
         # Recipients promised to this process's listeners since the last claim (see `takes`).
         self._promised = 0
+        # Recipients of messages being committed that this engine will adopt (see `reserve`).
+        self._reserved = 0
         self._bite = max(1, min(self.delivery.batch_size, self.delivery.concurrency // 4))
         self._lane_weights = {name: lane.weight for name, lane in settings.lanes.items()}
 
@@ -120,7 +130,7 @@ class DeliveryEngine:
         those destinations are full, would hand most of each claim straight back)."""
         if len(self._not_started) >= self.delivery.batch_size:
             return 0
-        room = self.delivery.concurrency - len(self._active)
+        room = self.delivery.concurrency - len(self._active) - self._reserved
         return 0 if room < self._bite and self._active else room
 
     def takes(self, recipients: int) -> bool:
@@ -134,6 +144,36 @@ class DeliveryEngine:
             return False
         self._promised += recipients
         return True
+
+    def reserve(self, recipients: int) -> tuple[str, float] | None:
+        """Room for a message of this process's listeners that is being committed: the lease
+        owner and lease its recipients are queued with, claimed by this engine, or None when it
+        has no room now (the message is then queued for a claim). Held until `adopt` or
+        `unreserve`. Mail handed over this way costs no claim: no statement, no body read back."""
+        if self._stopping.is_set() or self._claimer is None or self._claimer.done():
+            return None
+        if self._claimable() - self._promised < recipients:
+            return None
+        self._reserved += recipients
+        return self.owner, self.delivery.lease
+
+    def unreserve(self, recipients: int) -> None:
+        self._reserved = max(0, self._reserved - recipients)
+
+    def adopt(self, rows: Sequence[ClaimedRow]) -> None:
+        """The committed recipients of a reservation, queued claimed by this engine: delivered
+        as if claimed (suppressed ones recorded, not attempted)."""
+        self.unreserve(len(rows))
+        deliveries = group_deliveries(rows, self._destination)
+        self.claims.hold(deliveries, asyncio.get_running_loop().time())
+        if self._stopping.is_set():
+            # Past the listeners' drain: back to the queue for another process or the next run.
+            recipients = [r for d in deliveries for r in d.recipients]
+            task = asyncio.create_task(self.claims.postpone(recipients, datetime.now(UTC), None))
+            self._active.add(task)
+            task.add_done_callback(self._done)
+            return
+        self._start(deliveries)
 
     async def stop(self, deadline: float) -> None:
         if self._stopping.is_set():
@@ -251,13 +291,7 @@ class DeliveryEngine:
             self._promised = 0
             deliveries = group_deliveries(claimed, self._destination)
             self.claims.hold(deliveries, loop.time())
-            # Recipients on their org's suppression list (read by the claim) are recorded
-            # `suppressed`, not attempted. A list that cannot be read fails the claim itself:
-            # nobody is mailed whom the list might hold.
-            deliveries, suppressed = split_suppressed(deliveries, now=datetime.now(UTC))
-            self.recorder.submit(suppressed)
-            for d in deliveries:
-                self._spawn(d)
+            self._start(deliveries)
             if len(claimed) < want:
                 await self._idle(delivery.poll_interval)
                 # Woken (by new mail, most likely): let what is being queued right now join
@@ -283,6 +317,15 @@ class DeliveryEngine:
         route or the relayhost travel in one transaction."""
         route = self.router.static_route(domain)
         return route.destination if route else f"mx:{domain}"
+
+    def _start(self, deliveries: Sequence[Delivery]) -> None:
+        """Deliver claimed work. Recipients on their org's suppression list (read by the claim,
+        or by the enqueue of handed-off mail) are recorded `suppressed`, not attempted. A list
+        that cannot be read fails that statement: nobody is mailed whom the list might hold."""
+        deliveries, suppressed = split_suppressed(deliveries, now=datetime.now(UTC))
+        self.recorder.submit(suppressed)
+        for d in deliveries:
+            self._spawn(d)
 
     def _spawn(self, delivery: Delivery) -> None:
         task = asyncio.create_task(self._process(delivery), name="delivery")

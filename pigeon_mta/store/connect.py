@@ -57,10 +57,27 @@ def _start_embedded(pgdata: Path) -> str:
         raise DatabaseUnavailable(str(exc)) from None
 
 
-def server_settings(settings: Settings, *, generic_plans: bool = False) -> dict[str, str]:
+def server_settings(
+    settings: Settings, *, generic_plans: bool = False, by_key: bool = False
+) -> dict[str, str]:
     """The session settings of the service's connections. `generic_plans`: for connections that
     only run statements whose plan cannot depend on the tables' size (the submission path's
-    commits: inserts of the rows given), which PostgreSQL may then plan once per connection."""
+    commits: inserts of the rows given), which PostgreSQL may then plan once per connection.
+    `by_key`: for connections whose statements find their rows by key (the engine's record, see
+    `record_pool`), planned once, as index lookups."""
+    if by_key:
+        return {
+            **server_settings(settings),
+            # A generic plan, made once per connection and statement...
+            "plan_cache_mode": "force_generic_plan",
+            # ... that finds rows through their indexes at any size of the tables: made while
+            # a table is nearly empty, a plan free to choose would scan it whole, and keep doing
+            # so as it grows to millions of rows. With these off, PostgreSQL takes a sequential
+            # scan or a hash or merge join only where no index path exists.
+            "enable_seqscan": "off",
+            "enable_hashjoin": "off",
+            "enable_mergejoin": "off",
+        }
     return {
         "application_name": "pigeon-mta",
         "statement_timeout": str(int(settings.database.statement_timeout * 1000)),
@@ -88,7 +105,12 @@ async def connect(url: str, settings: Settings) -> asyncpg.Connection:
 
 
 async def create_pool(
-    url: str, settings: Settings, *, size: int | None = None, generic_plans: bool = False
+    url: str,
+    settings: Settings,
+    *,
+    size: int | None = None,
+    generic_plans: bool = False,
+    by_key: bool = False,
 ) -> asyncpg.Pool:
     size = size or settings.database.pool_size
     kwargs: dict[str, Any] = {
@@ -96,7 +118,7 @@ async def create_pool(
         "max_size": size,
         "timeout": settings.database.connect_timeout,
         "command_timeout": settings.database.statement_timeout + 5,
-        "server_settings": server_settings(settings, generic_plans=generic_plans),
+        "server_settings": server_settings(settings, generic_plans=generic_plans, by_key=by_key),
         # Idle connections are recycled so that a restarted server is noticed quickly.
         "max_inactive_connection_lifetime": 60.0,
         "reset": _keep_session,
@@ -111,6 +133,15 @@ async def commit_pool(url: str, settings: Settings) -> asyncpg.Pool:
     commit it runs at once, planned generically (`server_settings`), and never waiting behind the
     engine's statements for a connection of the main pool."""
     return await create_pool(url, settings, size=MAX_COMMITS, generic_plans=True)
+
+
+async def record_pool(url: str, settings: Settings) -> asyncpg.Pool:
+    """A worker's connections for its engine's records (outbound/recorder.py): one transaction
+    under way at a time. The record statement, its bounces and suppression entries find their
+    rows by key, so they are planned once per connection (`server_settings` with `by_key`):
+    planned at every call, the record's planning cost PostgreSQL as much as its execution
+    (bench/README.md "PostgreSQL's CPU per message")."""
+    return await create_pool(url, settings, size=2, by_key=True)
 
 
 async def _keep_session(_conn: asyncpg.Connection) -> None:

@@ -24,6 +24,7 @@ submission.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 import uuid
@@ -64,10 +65,10 @@ def _checked(envelope: Envelope) -> bool:
 # The entries of the plain statements (store/queue.py's enqueue with `before`), in key order so that
 # concurrent statements take their locks in one order. No ON CONFLICT: an entry already there, or
 # twice in the statement, fails it on the primary key (PRIMARY_KEY), and _ENQUEUE_ONE or
-# _ENQUEUE_MANY below decides. The parameters are theirs.
+# _ENQUEUE_MANY below decides. The parameters are store/queue.py's, then the key and window.
 _NEW_ENTRIES_ONE = """d AS (
     INSERT INTO submission_dedup (org_id, message_key, address, queue_id, expires_at)
-    SELECT $2::uuid, $19::uuid, lower(a), $1::uuid, now() + make_interval(secs => $20::float8)
+    SELECT $2::uuid, $21::uuid, lower(a), $1::uuid, now() + make_interval(secs => $22::float8)
     FROM unnest($13::text[]) AS a
     ORDER BY 3
 ), """
@@ -75,7 +76,7 @@ _NEW_ENTRIES_MANY = """d AS (
     INSERT INTO submission_dedup (org_id, message_key, address, queue_id, expires_at)
     SELECT u.org_id, u.message_key, lower(v.address), u.id,
            now() + make_interval(secs => u.window_secs)
-    FROM unnest($1::uuid[], $2::uuid[], $20::uuid[], $21::float8[])
+    FROM unnest($1::uuid[], $2::uuid[], $22::uuid[], $23::float8[])
          AS u (id, org_id, message_key, window_secs)
     JOIN unnest($13::uuid[], $14::text[]) AS v (message_id, address) ON v.message_id = u.id
     WHERE u.message_key IS NOT NULL
@@ -213,55 +214,76 @@ SELECT k.message_id, k.address, x.original_id, x.reply_id FROM x JOIN k ON k.id 
 """
 
 
-async def enqueue_submitted(
-    db: Executor, batch: Sequence[tuple[uuid.UUID, Envelope]]
-) -> dict[uuid.UUID, Duplicates]:
+@dataclass(frozen=True)
+class Enqueued:
+    """What a submission commit did besides queueing."""
+
+    # The duplicates by queue id, for the messages that had any (normally none).
+    duplicates: dict[uuid.UUID, Duplicates]
+    # Whether the messages with a handoff were queued claimed by its engine (model.Handoff);
+    # after a duplicate, they are queued for a claim like the others.
+    handed_off: bool
+    # The handed-off recipients on their org's suppression list: reason by recipient id.
+    suppressed: dict[uuid.UUID, str]
+
+
+async def enqueue_submitted(db: Executor, batch: Sequence[tuple[uuid.UUID, Envelope]]) -> Enqueued:
     """Queue submitted messages (queue id, envelope) in one statement, all of them or none, as
     `store.queue.enqueue_many` does without NOTIFY; but a recipient of a message with a
     `duplicate_window` that its org queued under the same Message-ID within that window is not
     queued again, and a message all of whose recipients are such is not queued at all.
-
-    Returns the duplicates by queue id, for the messages that had any (normally none).
     """
     if not any(_checked(e) for _q, e in batch):
-        await store_queue.enqueue_many(db, batch)
-        return {}
+        return Enqueued({}, True, await store_queue.enqueue_many(db, batch))
     for _queue_id, envelope in batch:
         if not envelope.recipients:
             raise ValueError("a message needs at least one recipient")
     one = len(batch) == 1
-    arguments = _one_arguments(*batch[0]) if one else _many_arguments(batch)
     # A failed statement would abort the caller's transaction with it: inside one, no first try.
     if isinstance(db, asyncpg.Pool) or not db.is_in_transaction():
         try:
-            await db.execute(_ENQUEUE_NEW_ONE if one else _ENQUEUE_NEW_MANY, *arguments)
-            return {}
+            rows = await db.fetch(
+                _ENQUEUE_NEW_ONE if one else _ENQUEUE_NEW_MANY,
+                *(_one_arguments(*batch[0]) if one else _many_arguments(batch)),
+            )
+            return Enqueued({}, True, {row["id"]: row["reason"] for row in rows})
         except asyncpg.UniqueViolationError as exc:
             if exc.constraint_name != PRIMARY_KEY:
                 raise
+    # The statement that decides takes no handoff: some recipients are not queued at all.
+    plain = [(q, dataclasses.replace(e, handoff=None)) for q, e in batch]
     found: dict[uuid.UUID, Duplicates] = {}
-    for row in await db.fetch(_ENQUEUE_ONE if one else _ENQUEUE_MANY, *arguments):
+    for row in await db.fetch(
+        _ENQUEUE_ONE if one else _ENQUEUE_MANY,
+        *(_one_arguments(*plain[0], deciding=True) if one else _many_arguments(plain, True)),
+    ):
         queue_id = row["message_id"]
         duplicates = found.setdefault(queue_id, Duplicates({}, row["reply_id"]))
         duplicates.originals[row["address"]] = row["original_id"]
-    return found
+    return Enqueued(found, False, {})
 
 
-def _one_arguments(queue_id: uuid.UUID, e: Envelope) -> list[object]:
-    """The parameters of _ENQUEUE_ONE: the plain enqueue's ($1-$18), then the key and window
-    ($19, $20)."""
+def _one_arguments(queue_id: uuid.UUID, e: Envelope, *, deciding: bool = False) -> list[object]:
+    """The parameters of the plain statement: the lone enqueue's ($1-$20), then the key and
+    window ($21, $22); of _ENQUEUE_ONE (`deciding`), which takes no handoff, the lone enqueue's
+    but its handoff ($1-$18), then the key and window ($19, $20)."""
+    columns = store_queue.one_columns(queue_id, e)
     return [
-        *store_queue.one_columns(queue_id, e),
+        *(columns[:18] if deciding else columns),
         message_key(e.header_message_id or ""),
         float(e.duplicate_window),
     ]
 
 
-def _many_arguments(batch: Sequence[tuple[uuid.UUID, Envelope]]) -> list[object]:
-    """The parameters of _ENQUEUE_MANY: the plain batch enqueue's ($1-$19), then each message's
-    key and window ($20, $21)."""
+def _many_arguments(
+    batch: Sequence[tuple[uuid.UUID, Envelope]], deciding: bool = False
+) -> list[object]:
+    """The parameters of the plain statement: the batch enqueue's ($1-$21), then each message's
+    key and window ($22, $23); of _ENQUEUE_MANY (`deciding`), the batch enqueue's but the
+    handoffs ($1-$19), then the keys and windows ($20, $21)."""
+    columns = store_queue.batch_columns(batch)
     return [
-        *store_queue.batch_columns(batch),
+        *(columns[:19] if deciding else columns),
         [message_key(e.header_message_id or "") if _checked(e) else None for _q, e in batch],
         [float(e.duplicate_window) for _q, e in batch],
     ]

@@ -9,22 +9,48 @@ written at once, in a statement of its own; batches form only when commits are a
 message of a batch is committed or none is, and each caller learns the outcome of the commit that
 holds its message; a batch refused for any reason other than a database outage is tried again one
 message at a time, so one bad message cannot fail its neighbours.
+
+A message that this process's delivery engine has room for is handed to it as it is committed:
+its recipients are queued already claimed by that engine (model.Handoff), which starts delivering
+them when the commit returns, with no claim statement, no body read back and no wake-up of other
+processes. This is most of the mail while the engines keep up; the rest is queued for a claim
+and announced (`on_queued`, store/notify.py's NotifySender).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import asyncpg
 
-from pigeon_mta.model import Envelope
+from pigeon_mta.ids import new_ids
+from pigeon_mta.model import ClaimedRecipient, ClaimedRow, Envelope, Handoff
 from pigeon_mta.store import duplicates as store_duplicates
-from pigeon_mta.store.duplicates import Duplicates
+from pigeon_mta.store.duplicates import Duplicates, Enqueued
+from pigeon_mta.store.queue import recipient_domain
 
 log = logging.getLogger(__name__)
+
+
+class Engine(Protocol):
+    """This process's delivery engine, as the group commit hands it messages
+    (outbound/engine.py)."""
+
+    def reserve(self, recipients: int) -> tuple[str, float] | None:
+        """Room for a message of this many recipients, kept until `adopt` or `unreserve`: the
+        lease owner and lease its rows are written with; None when it has no room now."""
+
+    def unreserve(self, recipients: int) -> None:
+        """A reservation not used (the commit failed, or did not hand the message off)."""
+
+    def adopt(self, rows: Sequence[ClaimedRow]) -> None:
+        """The committed recipients of a reservation, claimed by it: deliver them."""
 
 
 @dataclass(frozen=True)
@@ -48,12 +74,22 @@ class GroupCommit:
     (store/duplicates.py), None when there were none."""
 
     def __init__(
-        self, pool: asyncpg.Pool, *, max_batch: int = 64, max_commits: int = MAX_COMMITS
+        self,
+        pool: asyncpg.Pool,
+        *,
+        max_batch: int = 64,
+        max_commits: int = MAX_COMMITS,
+        engine: Engine | None = None,
+        on_queued: Callable[[int], None] | None = None,
     ) -> None:
-        """`max_batch`: messages per statement. `max_commits`: statements under way at once."""
+        """`max_batch`: messages per statement. `max_commits`: statements under way at once.
+        `engine`: this process's delivery engine, handed the messages it has room for.
+        `on_queued(n)`: after a commit that queued a message of n recipients for a claim."""
         self._pool = pool
         self._max_batch = max_batch
         self._max_commits = max_commits
+        self._engine = engine
+        self._on_queued = on_queued
         self._waiting: list[_Waiting] = []
         self._commits: set[asyncio.Task[None]] = set()
 
@@ -83,11 +119,15 @@ class GroupCommit:
         self._start_commits()
 
     async def _commit(self, batch: list[_Waiting]) -> None:
+        offered = [self._offer(w.envelope) for w in batch]
         try:
-            found = await store_duplicates.enqueue_submitted(
-                self._pool, [(w.queue_id, w.envelope) for w in batch]
+            enqueued = await store_duplicates.enqueue_submitted(
+                self._pool, [(w.queue_id, e) for w, e in zip(batch, offered, strict=True)]
             )
         except BaseException as exc:
+            for e in offered:
+                if e.handoff is not None and self._engine is not None:
+                    self._engine.unreserve(len(e.recipients))
             if len(batch) > 1 and _worth_one_by_one(exc):
                 log.warning(
                     "a batch of %d messages was refused (%s); committing them one by one",
@@ -101,8 +141,53 @@ class GroupCommit:
             if not isinstance(exc, Exception):
                 raise
         else:
-            for waiting in batch:
-                _settle(waiting.committed, found.get(waiting.queue_id))
+            for waiting, envelope in zip(batch, offered, strict=True):
+                self._deliver(waiting.queue_id, envelope, enqueued)
+                _settle(waiting.committed, enqueued.duplicates.get(waiting.queue_id))
+
+    def _offer(self, envelope: Envelope) -> Envelope:
+        """The envelope with a handoff when the engine has room for it."""
+        if self._engine is None or envelope.received_at is None:
+            return envelope
+        room = self._engine.reserve(len(envelope.recipients))
+        if room is None:
+            return envelope
+        owner, lease = room
+        handoff = Handoff(owner, lease, tuple(new_ids(len(envelope.recipients))))
+        return dataclasses.replace(envelope, handoff=handoff)
+
+    def _deliver(self, queue_id: uuid.UUID, e: Envelope, enqueued: Enqueued) -> None:
+        """After the commit: hand the message to the engine, or announce it to the claimers."""
+        if e.handoff is not None and self._engine is not None:
+            if enqueued.handed_off and e.received_at is not None:
+                self._engine.adopt(
+                    [
+                        ClaimedRow(
+                            message_id=queue_id,
+                            org_id=e.org_id,
+                            sender=e.sender,
+                            header_message_id=e.header_message_id,
+                            received_at=e.received_at,
+                            domain=recipient_domain(address),
+                            body=e.body,
+                            lane=e.lane,
+                            recipient=ClaimedRecipient(
+                                id=rid,
+                                address=address,
+                                attempts=1,
+                                queued_at=e.received_at,
+                                suppressed=enqueued.suppressed.get(rid),
+                            ),
+                        )
+                        for rid, address in zip(e.handoff.recipient_ids, e.recipients, strict=True)
+                    ]
+                )
+                return
+            self._engine.unreserve(len(e.recipients))
+        duplicates = enqueued.duplicates.get(queue_id)
+        queued = len(e.recipients) - (len(duplicates.originals) if duplicates else 0)
+        if queued and self._on_queued is not None:
+            self._on_queued(queued)
 
 
 def _worth_one_by_one(exc: BaseException) -> bool:

@@ -21,6 +21,7 @@ from pigeon_mta.model import (
     ClaimedRow,
     Outcome,
     Reply,
+    Status,
     storable_text,
 )
 from pigeon_mta.store.executor import Executor
@@ -158,7 +159,12 @@ def _last_reply(row: asyncpg.Record) -> Reply | None:
 # ---------------------------------------------------------------- record
 
 # One statement: the recipient rows move (only where the claim still holds, see module doc) and the
-# attempt rows are appended, each saying whether its outcome was applied.
+# attempt rows are appended, each saying whether its outcome was applied. It runs on connections
+# that plan it once (store/connect.py `record_pool`), so nothing in it may let that plan depend on
+# the table's size: the status it fences on is a parameter ($21, 'delivering'), not a constant,
+# for with a constant PostgreSQL may read the rows through the partial indexes of live rows while
+# the table is small (recipient_live, recipient_leased), and keep that plan once they are many.
+# As it is, the one index the plan can use is the primary key.
 _RECORD = """
 WITH v AS (
     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::int[], $6::text[],
@@ -181,7 +187,7 @@ WITH v AS (
         postponed = NULL,
         updated_at = now()
     FROM v
-    WHERE r.id = v.recipient_id AND r.status = 'delivering' AND r.attempts = v.attempt
+    WHERE r.id = v.recipient_id AND r.status = $21 AND r.attempts = v.attempt
     RETURNING r.id, r.attempts
 ), a AS (
     INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, duration_ms,
@@ -219,8 +225,9 @@ async def record_attempts(db: Executor, results: Sequence[AttemptResult]) -> set
     return {r.recipient_id for r in results if (r.recipient_id, r.attempt) not in not_applied}
 
 
-def _record_arguments(results: Sequence[AttemptResult]) -> list[Sequence[object]]:
-    """The parameters of _RECORD: one array per column, one element per result."""
+def _record_arguments(results: Sequence[AttemptResult]) -> list[object]:
+    """The parameters of _RECORD: one array per column, one element per result; then the status
+    of a claimed row."""
     return [
         new_ids(len(results)),
         [r.recipient_id for r in results],
@@ -242,6 +249,7 @@ def _record_arguments(results: Sequence[AttemptResult]) -> list[Sequence[object]
         [storable_text(r.category) for r in results],
         [storable_text(r.rule) for r in results],
         [storable_text(r.dkim) for r in results],
+        str(Status.DELIVERING),
     ]
 
 

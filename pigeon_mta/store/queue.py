@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pigeon_mta.ids import new_id, new_ids
 from pigeon_mta.model import Envelope
 from pigeon_mta.store.executor import Executor
+from pigeon_mta.store.leases import SUPPRESSION_ACTIVE
 
 NOTIFY_CHANNEL = "pigeon_queue"
 
@@ -37,10 +38,14 @@ WITH {before}m AS (
             COALESCE($15::timestamptz, now()), $16, $17, $18)
     RETURNING id, org_id, received_at, lane
 ), r AS (
-    INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at,
-                           lane)
-    SELECT u.id, m.id, m.org_id, u.address, u.domain, m.received_at, m.received_at, m.lane
+    INSERT INTO recipient AS t (id, message_id, org_id, address, domain, created_at,
+                                next_attempt_at, lane, status, attempts, lease_owner, lease_until)
+    SELECT u.id, m.id, m.org_id, u.address, u.domain, m.received_at, m.received_at, m.lane,
+           CASE WHEN $19::text IS NULL THEN 'queued' ELSE 'delivering' END,
+           CASE WHEN $19::text IS NULL THEN 0 ELSE 1 END,
+           $19::text, now() + make_interval(secs => $20::float8)
     FROM m, unnest($12::uuid[], $13::text[], $14::text[]) AS u (id, address, domain)
+    RETURNING t.id, t.org_id, t.address, t.lease_owner
 )
 SELECT {final}
 """
@@ -60,27 +65,39 @@ WITH {before}m AS (
                lane)
     RETURNING id, org_id, received_at, lane
 ), r AS (
-    INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at,
-                           lane)
-    SELECT u.id, m.id, m.org_id, u.address, u.domain, m.received_at, m.received_at, m.lane
-    FROM unnest($12::uuid[], $13::uuid[], $14::text[], $15::text[])
-         AS u (id, message_id, address, domain)
+    INSERT INTO recipient AS t (id, message_id, org_id, address, domain, created_at,
+                                next_attempt_at, lane, status, attempts, lease_owner, lease_until)
+    SELECT u.id, m.id, m.org_id, u.address, u.domain, m.received_at, m.received_at, m.lane,
+           CASE WHEN u.lease_owner IS NULL THEN 'queued' ELSE 'delivering' END,
+           CASE WHEN u.lease_owner IS NULL THEN 0 ELSE 1 END,
+           u.lease_owner, now() + make_interval(secs => u.lease)
+    FROM unnest($12::uuid[], $13::uuid[], $14::text[], $15::text[], $20::text[], $21::float8[])
+         AS u (id, message_id, address, domain, lease_owner, lease)
     JOIN m ON m.id = u.message_id
+    RETURNING t.id, t.org_id, t.address, t.lease_owner
 )
 SELECT {final}
 """
 _NOTIFY = f"pg_notify('{NOTIFY_CHANNEL}', '')"
+# The quiet enqueue answers with the handed-off recipients (model.Handoff) that the org's
+# suppression list holds: their engine, which does not claim them, learns it here, where a claim
+# would have read the list (store/leases.py). One index probe per handed-off recipient.
+_SUPPRESSED_HANDOFFS = f"""r.id, s.reason
+FROM r JOIN suppression s ON s.org_id = r.org_id AND s.address = lower(r.address)
+                          AND {SUPPRESSION_ACTIVE}
+WHERE r.lease_owner IS NOT NULL"""
 _ENQUEUE_ONE = _ENQUEUE_ONE_TEMPLATE.format(before="", final=_NOTIFY)
-_ENQUEUE_ONE_QUIET = _ENQUEUE_ONE_TEMPLATE.format(before="", final="1")
+_ENQUEUE_ONE_QUIET = _ENQUEUE_ONE_TEMPLATE.format(before="", final=_SUPPRESSED_HANDOFFS)
 _ENQUEUE_MANY = _ENQUEUE_MANY_TEMPLATE.format(before="", final=_NOTIFY)
-_ENQUEUE_MANY_QUIET = _ENQUEUE_MANY_TEMPLATE.format(before="", final="1")
+_ENQUEUE_MANY_QUIET = _ENQUEUE_MANY_TEMPLATE.format(before="", final=_SUPPRESSED_HANDOFFS)
 
 
 def enqueue_statement(*, many: bool, before: str) -> str:
-    """The quiet enqueue of one message (parameters as `enqueue_many` passes them, $1-$18) or of
-    several (`batch_columns`, $1-$19), with `before` written in the same statement."""
+    """The quiet enqueue of one message (parameters as `enqueue_many` passes them, $1-$20) or of
+    several (`batch_columns`, $1-$21), with `before` written in the same statement; it returns
+    the suppressed handed-off recipients (id, reason)."""
     return (_ENQUEUE_MANY_TEMPLATE if many else _ENQUEUE_ONE_TEMPLATE).format(
-        before=before, final="1"
+        before=before, final=_SUPPRESSED_HANDOFFS
     )
 
 
@@ -100,7 +117,7 @@ async def enqueue(
 
 async def enqueue_many(
     db: Executor, batch: Sequence[tuple[uuid.UUID, Envelope]], *, notify: bool = False
-) -> None:
+) -> dict[uuid.UUID, str]:
     """Queue several messages (queue id, envelope) in one statement: all of them or none.
 
     With `notify`, the NOTIFY is part of the same transaction, so PostgreSQL delivers it only on
@@ -110,22 +127,43 @@ async def enqueue_many(
     (group commit): measured here, 16 connections enqueue barely faster than one. The submission
     path (store/group_commit.py) therefore commits without it and wakes the engines afterwards
     through a `NotifySender`, which coalesces wake-ups (store/notify.py).
+
+    Messages with a `handoff` are queued claimed by its engine (model.Handoff); returns, by
+    recipient id, the reason of each of their recipients on the org's suppression list.
     """
     if not batch:
-        return
+        return {}
     for _queue_id, envelope in batch:
         if not envelope.recipients:
             raise ValueError("a message needs at least one recipient")
         if envelope.duplicate_window and envelope.header_message_id:
             raise ValueError("a message checked for duplicates is queued by store.duplicates")
+        if notify and envelope.handoff is not None:
+            raise ValueError("a handed-off message wakes no engine")
+    if notify:
+        if len(batch) == 1:
+            await db.execute(_ENQUEUE_ONE, *one_columns(*batch[0]))
+        else:
+            await db.execute(_ENQUEUE_MANY, *batch_columns(batch))
+        return {}
     if len(batch) == 1:
-        await db.execute(_ENQUEUE_ONE if notify else _ENQUEUE_ONE_QUIET, *one_columns(*batch[0]))
-        return
-    await db.execute(_ENQUEUE_MANY if notify else _ENQUEUE_MANY_QUIET, *batch_columns(batch))
+        rows = await db.fetch(_ENQUEUE_ONE_QUIET, *one_columns(*batch[0]))
+    else:
+        rows = await db.fetch(_ENQUEUE_MANY_QUIET, *batch_columns(batch))
+    return {row["id"]: row["reason"] for row in rows}
+
+
+def recipient_ids(e: Envelope) -> Sequence[uuid.UUID]:
+    """The ids its recipient rows get: the handoff's, or new ones."""
+    if e.handoff is not None:
+        if len(e.handoff.recipient_ids) != len(e.recipients):
+            raise ValueError("a handoff names one id per recipient")
+        return e.handoff.recipient_ids
+    return new_ids(len(e.recipients))
 
 
 def one_columns(queue_id: uuid.UUID, e: Envelope) -> list[object]:
-    """The parameters of the lone-message enqueue ($1-$18)."""
+    """The parameters of the lone-message enqueue ($1-$20)."""
     return [
         queue_id,
         e.org_id,
@@ -138,20 +176,24 @@ def one_columns(queue_id: uuid.UUID, e: Envelope) -> list[object]:
         e.client_helo,
         e.credential_id,
         e.auth_user,
-        new_ids(len(e.recipients)),
+        list(recipient_ids(e)),
         list(e.recipients),
         [recipient_domain(r) for r in e.recipients],
         e.received_at,
         e.tls_version,
         e.tls_cipher,
         e.lane,
+        e.handoff.owner if e.handoff else None,
+        e.handoff.lease if e.handoff else None,
     ]
 
 
 def batch_columns(batch: Sequence[tuple[uuid.UUID, Envelope]]) -> list[Sequence[object]]:
-    """The parameters $1-$19 of _ENQUEUE_MANY (and of the duplicate check's batch statement): one
-    array per column, one element per message, but $12-$15, one element per recipient."""
+    """The parameters $1-$21 of _ENQUEUE_MANY (and of the duplicate check's batch statement): one
+    array per column, one element per message, but $12-$15, $20 and $21, one element per
+    recipient."""
     recipients = [(q, r) for q, envelope in batch for r in envelope.recipients]
+    handoffs = [e.handoff for _q, e in batch for _r in e.recipients]
     return [
         [q for q, _e in batch],
         [e.org_id for _q, e in batch],
@@ -164,7 +206,7 @@ def batch_columns(batch: Sequence[tuple[uuid.UUID, Envelope]]) -> list[Sequence[
         [e.client_helo for _q, e in batch],
         [e.credential_id for _q, e in batch],
         [e.auth_user for _q, e in batch],
-        new_ids(len(recipients)),
+        [i for _q, e in batch for i in recipient_ids(e)],
         [q for q, _r in recipients],
         [r for _q, r in recipients],
         [recipient_domain(r) for _q, r in recipients],
@@ -172,6 +214,8 @@ def batch_columns(batch: Sequence[tuple[uuid.UUID, Envelope]]) -> list[Sequence[
         [e.tls_version for _q, e in batch],
         [e.tls_cipher for _q, e in batch],
         [e.lane for _q, e in batch],
+        [h.owner if h else None for h in handoffs],
+        [h.lease if h else None for h in handoffs],
     ]
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ipaddress
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -77,10 +76,6 @@ class ConnectionCounter:
             self._open.pop(ip, None)
 
 
-def _nothing(_recipients: int) -> None:
-    return None
-
-
 class TrustedOrg:
     """The id of `relay.trusted_org`, looked up (and created if missing) on first use."""
 
@@ -110,8 +105,6 @@ class ListenerContext:
     shutting_down: bool = False
     # Reception records (after the commit) and the wake-up of this process's engine.
     delivery_log: DeliveryLog | None = None
-    # Called after each commit with the message's recipient count (wakes the engines).
-    on_queued: Callable[[int], None] = _nothing
 
     @property
     def name(self) -> str:

@@ -247,9 +247,10 @@ class SubmissionHandler:
         """Commit the message; returns its recipients that were not queued again, if any.
         Shielded: a client that hangs up mid-commit does not cancel the statement half-way; a
         message committed anyway is announced all the same."""
-        # No NOTIFY inside the transaction (it would serialise commits); ctx.on_queued wakes the
-        # engines after the commit instead (store/notify.py). Messages of other sessions that
-        # finish at the same time share the commit (store/group_commit.py).
+        # No NOTIFY inside the transaction (it would serialise commits): the group commit hands
+        # the message to this process's engine or wakes the engines after the commit
+        # (store/notify.py). Messages of other sessions that finish at the same time share the
+        # commit (store/group_commit.py).
         task = asyncio.ensure_future(self.ctx.group_commit.enqueue(reception.queue_id, message))
         server.enqueuing += 1
         try:
@@ -263,14 +264,9 @@ class SubmissionHandler:
     def _announce(
         self, message: model.Envelope, reception: Reception, duplicates: Duplicates | None
     ) -> uuid.UUID:
-        """After the commit: see `reception.announce`."""
-        return announce(
-            message,
-            reception,
-            duplicates,
-            delivery_log=self.ctx.delivery_log,
-            on_queued=self.ctx.on_queued,
-        )
+        """After the commit (which handed the message to an engine or woke the engines, see
+        store/group_commit.py): see `reception.announce`."""
+        return announce(message, reception, duplicates, delivery_log=self.ctx.delivery_log)
 
     def _orphan_outcome(
         self,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -85,11 +84,11 @@ def announce(
     duplicates: Duplicates | None,
     *,
     delivery_log: DeliveryLog | None,
-    on_queued: Callable[[int], None],
 ) -> uuid.UUID:
-    """After the commit: wake the engines (`on_queued`), write the Reception (and Duplicate)
-    records and the log lines. Returns the queue id to answer: the message's, or that of the
-    message queued first when every recipient was a duplicate."""
+    """After the commit (the group commit has handed the message to an engine or woken the
+    engines): write the Reception (and Duplicate) records and the log lines. Returns the queue id
+    to answer: the message's, or that of the message queued first when every recipient was a
+    duplicate."""
     if duplicates is not None:
         if delivery_log is not None:
             delivery_log.duplicates(message, duplicates)
@@ -99,7 +98,6 @@ def announce(
             return duplicates.reply_id
         message = dataclasses.replace(message, recipients=queued)
         reception = dataclasses.replace(reception, recipients=queued)
-    on_queued(len(message.recipients))
     if delivery_log is not None:
         delivery_log.reception(reception.queue_id, message)
     record_reception(reception)

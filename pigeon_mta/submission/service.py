@@ -18,7 +18,7 @@ import asyncpg
 from pigeon_mta.config import ListenerSettings, Settings
 from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.metrics import LISTENERS_BOUND
-from pigeon_mta.store.group_commit import GroupCommit
+from pigeon_mta.store.group_commit import Engine, GroupCommit
 from pigeon_mta.submission import replies
 from pigeon_mta.submission.auth import Authenticator
 from pigeon_mta.submission.context import ConnectionCounter, ListenerContext, TrustedOrg
@@ -43,9 +43,12 @@ class SubmissionService:
         delivery_log: DeliveryLog | None = None,
         on_queued: Callable[[int], None] | None = None,
         commit_pool: asyncpg.Pool | None = None,
+        engine: Engine | None = None,
     ) -> None:
         """`commit_pool`: the connections the group commit writes messages on (the worker gives it
-        its own, see `store.connect.commit_pool`); `pool` when not given."""
+        its own, see `store.connect.commit_pool`); `pool` when not given. `engine`: this
+        process's delivery engine, handed the messages it has room for; `on_queued(n)` is called
+        after a commit that queued a message of n recipients for a claim instead."""
         self.settings = settings
         self.pool = pool
         self.delivery_log = delivery_log
@@ -54,7 +57,7 @@ class SubmissionService:
         self.connections = ConnectionCounter(settings.limits.max_connections_per_ip)
         self.trusted_org = TrustedOrg(pool, settings.relay.trusted_org)
         # One per process: every listener's messages may share a commit.
-        self.group_commit = GroupCommit(commit_pool or pool)
+        self.group_commit = GroupCommit(commit_pool or pool, engine=engine, on_queued=on_queued)
         self.trusted_networks = tuple(
             ipaddress.ip_network(n, strict=False) for n in settings.relay.trusted_networks
         )
@@ -88,8 +91,6 @@ class SubmissionService:
             group_commit=self.group_commit,
             delivery_log=self.delivery_log,
         )
-        if self.on_queued is not None:
-            ctx.on_queued = self.on_queued
         handler = SubmissionHandler(ctx)
         try:
             server = await loop.create_server(

@@ -31,7 +31,7 @@ class Api:
     other_key: str  # a key of other, which owns other.example
     revoked_key: str  # a revoked key of acme
     acme: uuid.UUID
-    queued: list[int]  # recipients counts passed to on_queued
+    queued: list[int]  # the group commit's wake-ups: recipients queued by each commit
 
 
 @asynccontextmanager
@@ -49,7 +49,7 @@ async def running_api(pool: asyncpg.Pool, settings: Settings | None = None) -> A
     revoked_row, revoked_key = await store_apikeys.add_api_key(pool, acme)
     await store_apikeys.revoke_api_key(pool, revoked_row.id)
     queued: list[int] = []
-    service = ApiService(settings, pool, GroupCommit(pool), on_queued=queued.append)
+    service = ApiService(settings, pool, GroupCommit(pool, on_queued=queued.append))
     await service.start()
     try:
         scheme = "https" if settings.api.tls_cert else "http"

@@ -52,7 +52,7 @@ async def test_a_commit_waits_for_a_parallel_one_with_the_same_message_and_finds
     try:
         transaction = holder.transaction()
         await transaction.start()
-        assert await enqueue_submitted(holder, [(first, message)]) == {}
+        assert (await enqueue_submitted(holder, [(first, message)])).duplicates == {}
         waiting = asyncio.ensure_future(enqueue_submitted(other, [(second, message)]))
         other_pid = other.get_server_pid()
         for _ in range(500):  # bounded: until the second statement waits on the first's lock
@@ -65,7 +65,7 @@ async def test_a_commit_waits_for_a_parallel_one_with_the_same_message_and_finds
             raise AssertionError("the second commit never waited for the first")
         assert not waiting.done()
         await transaction.commit()
-        found = await asyncio.wait_for(waiting, 30)
+        found = (await asyncio.wait_for(waiting, 30)).duplicates
     finally:
         await holder.close()
         await other.close()
@@ -82,7 +82,7 @@ async def test_the_same_message_twice_in_one_group_commit_is_queued_once(
     """Messages that share a statement: the one received first (smaller id) queues the
     recipient, a later one is its duplicate; messages without a key pass through untouched."""
     one, two, three, plain = sorted(new_id() for _ in range(4))
-    found = await enqueue_submitted(
+    enqueued = await enqueue_submitted(
         pool,
         [
             (one, envelope(org_id, ("bob@example.net",))),
@@ -91,6 +91,7 @@ async def test_the_same_message_twice_in_one_group_commit_is_queued_once(
             (plain, envelope(org_id, ("bob@example.net",), message_id=None)),
         ],
     )
+    found = enqueued.duplicates
 
     assert set(found) == {two, three}
     assert found[two].reply_id == one and found[two].originals == {"BOB@example.net": one}

@@ -12,8 +12,10 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 import pytest
 
+from pigeon_mta.config import Settings
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
 from pigeon_mta.store import leases, queue, upkeep
+from pigeon_mta.store.connect import server_settings
 from tests.integration.queue_helpers import bulk_queue, claim, results_for
 
 OWNER = "node-a"
@@ -531,6 +533,50 @@ async def test_fenced_statements_look_up_their_rows_by_primary_key_with_many_in_
     assert ("Index Scan", "recipient_leased") in sweep, sweep
     assert all(kind != "Seq Scan" for kind, _ in sweep + count), (sweep, count)
     assert any(name == "recipient_leased" for _, name in count), count
+
+
+# The parameter types of leases._RECORD, for a PREPARE of it.
+_RECORD_TYPES = (
+    "uuid[], uuid[], uuid[], uuid[], int[], text[], timestamptz[], float8[], timestamptz[], "
+    "text[], text[], int[], text[], text[], int[], text[], text[], text[], text[], text[], text"
+)
+
+
+async def test_the_record_planned_once_on_an_empty_table_still_goes_by_primary_key(
+    db_url: str, pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """The engine's record connections plan the record once (store/connect.py `record_pool`).
+    Made while the table is empty, that plan must still find the rows by primary key once 25,000
+    rows are there and 5,000 in flight, rather than read every in-flight row."""
+    conn = await asyncpg.connect(db_url, server_settings=server_settings(Settings(), by_key=True))
+    try:
+        types = _RECORD_TYPES.split(", ")
+        await conn.execute(f"PREPARE record ({_RECORD_TYPES}) AS {leases._RECORD}")
+
+        async def scans(results: list[AttemptResult]) -> list[tuple[str, str | None]]:
+            # EXPLAIN EXECUTE takes no bound parameters: the values go in as literals, which
+            # the server writes itself.
+            literals = [
+                await conn.fetchval(f"SELECT quote_nullable($1::{t}) || '::{t}'", value)
+                for t, value in zip(types, leases._record_arguments(results), strict=True)
+            ]
+            plan = await _recipient_scans(conn, f"EXECUTE record ({', '.join(literals)})")
+            return [node for node in plan if node[0] != "ModifyTable"]
+
+        await bulk_queue(pool, org_id, messages=1)
+        first = await claim(pool, owner=OWNER, lease=300, batch=1)
+        assert await scans(results_for(first, Outcome.DELIVERED)) == [
+            ("Index Scan", "recipient_pkey")
+        ]
+        await bulk_queue(pool, org_id, messages=20_000, status="delivered")
+        await bulk_queue(pool, org_id, messages=5_000)
+        claimed = [
+            d for _ in range(50) for d in await claim(pool, owner=OWNER, lease=300, batch=100)
+        ]
+        later = await scans(results_for(claimed, Outcome.DELIVERED)[:100])
+    finally:
+        await conn.close()
+    assert later == [("Index Scan", "recipient_pkey")]
 
 
 async def _recipient_scans(

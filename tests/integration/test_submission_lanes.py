@@ -217,6 +217,6 @@ async def test_every_enqueue_statement_stores_the_lane(
     }
     for name, envelopes in cases.items():
         batch = [(new_id(), e) for e in envelopes]
-        assert await enqueue_submitted(pool, batch) == {}, name
+        assert (await enqueue_submitted(pool, batch)).duplicates == {}, name
         for queue_id, e in batch:
             assert await lanes_of(pool, queue_id) == (e.lane, {e.lane}), name
