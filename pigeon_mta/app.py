@@ -167,11 +167,11 @@ async def worker_services(
 ) -> AsyncIterator[list[Service]]:
     """The services of one worker process in start order (they stop in reverse order), its pools
     open while they run. `lease_owner` names the node's run (pigeon_mta/node.py)."""
+    # Imported here: admin commands import this module and need no SMTP or HTTP code.
+    from pigeon_mta.api.server import ApiService
     from pigeon_mta.outbound.engine import DeliveryEngine
     from pigeon_mta.signer import DkimSigner
     from pigeon_mta.store.notify import QueueWaker
-
-    # Imported here: admin commands import this module and need no SMTP or HTTP client code.
     from pigeon_mta.submission.service import SubmissionService
     from pigeon_mta.webhooks.sender import WebhookSender
 
@@ -215,14 +215,18 @@ async def worker_services(
             services.append(engine)
         elif index == 0:
             log.warning("delivery.enabled is false: this node queues mail but delivers none")
+        submission = SubmissionService(
+            settings,
+            pool,
+            delivery_log=delivery_log,
+            on_queued=notifier.poke,
+            commit_pool=commit_pool,
+            engine=engine,
+        )
+        services.append(submission)
+        # The API queues through the listeners' group commit: their messages share commits, and
+        # it hands them to this process's engine or wakes the engines as theirs.
         services.append(
-            SubmissionService(
-                settings,
-                pool,
-                delivery_log=delivery_log,
-                on_queued=notifier.poke,
-                commit_pool=commit_pool,
-                engine=engine,
-            )
+            ApiService(settings, pool, submission.group_commit, delivery_log=delivery_log)
         )
         yield services

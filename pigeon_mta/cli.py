@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "org": ("orgs", "tenants"),
     "domain": ("domains", "sender domains an org may use"),
     "user": ("users", "SMTP AUTH users"),
+    "apikey": ("apikeys", "API keys of the HTTP API"),
     "dkim": ("dkim", "DKIM signing keys"),
     "queue": ("queue", "queue summary and administration"),
     "log": ("log", "where is a message, and why: its reception, every attempt, its state now"),

@@ -387,6 +387,21 @@ class MetricsSettings:
     stats_interval: Duration = Duration(5)
 
 
+# The listener name HTTP API mail is stored and counted under (message.listener, the metrics'
+# `listener` label); no [[listener]] may take it.
+API_LISTENER = "api"
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    # The HTTP API (POST /v1/messages, ...), served by every worker process on this address.
+    listen: HostPort = HostPort("127.0.0.1", 8025)
+    # HTTPS with this certificate chain and key (PEM; both or neither). Without them the API
+    # speaks plain HTTP: keep it on loopback, or behind a proxy that adds TLS.
+    tls_cert: str = ""
+    tls_key: str = ""
+
+
 @dataclass(frozen=True)
 class RetentionSettings:
     # Finished messages (every recipient delivered, bounced, expired, cancelled or suppressed) are
@@ -477,6 +492,7 @@ class Settings:
     delivery: DeliverySettings = field(default_factory=DeliverySettings)
     dns: DnsSettings = field(default_factory=DnsSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    api: ApiSettings = field(default_factory=ApiSettings)
     retention: RetentionSettings = field(default_factory=RetentionSettings)
     bounces: BounceSettings = field(default_factory=BounceSettings)
     log: LogSettings = field(default_factory=LogSettings)

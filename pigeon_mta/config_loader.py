@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pigeon_mta.config import (
+    API_LISTENER,
     DeliverySettings,
     Duration,
     HostPort,
@@ -236,6 +237,9 @@ def _check(settings: Settings) -> None:
     for name in names:
         if names.count(name) > 1:
             raise ConfigError(f"listener name '{name}' is used twice")
+        if name == API_LISTENER:
+            # API mail is stored and counted under this name (store/apikeys.py).
+            raise ConfigError(f"listener name '{name}' is reserved for the HTTP API")
     for listener in settings.listener:
         if bool(listener.tls_cert) != bool(listener.tls_key):
             raise ConfigError(
@@ -243,6 +247,7 @@ def _check(settings: Settings) -> None:
             )
     _check_submission(settings)
     _check_lanes(settings)
+    _check_api(settings)
     delivery = settings.delivery
     if delivery.retry_initial <= 0:
         raise ConfigError("'delivery.retry_initial' must be more than zero")
@@ -385,6 +390,17 @@ def _check_submission(settings: Settings) -> None:
     for key in ("max_from_addresses", "max_from_length"):
         if getattr(limits, key) < 1:
             raise ConfigError(f"'limits.{key}' must be at least 1")
+
+
+def _check_api(settings: Settings) -> None:
+    api = settings.api
+    if bool(api.tls_cert) != bool(api.tls_key):
+        raise ConfigError("set both 'api.tls_cert' and 'api.tls_key', or neither")
+    taken = {str(listener.address) for listener in settings.listener}
+    taken.add(str(settings.metrics.listen))
+    if api.listen.port and str(api.listen) in taken:
+        # SO_REUSEPORT would let both bind, and split the connections between them.
+        raise ConfigError(f"'api.listen' {api.listen} is the address of a listener or of metrics")
 
 
 def _check_host_port(value: str, key: str, default_port: int) -> None:

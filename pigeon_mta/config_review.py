@@ -56,6 +56,7 @@ def config_warnings(settings: Settings) -> list[str]:
         *_trusted_network_warnings(settings),
         *_self_signed_warnings(settings),
         *_relayhost_warnings(settings),
+        *_plain_api_warnings(settings),
     ]
 
 
@@ -154,8 +155,22 @@ def _self_signed_warnings(settings: Settings) -> list[str]:
     ]
 
 
+def _plain_api_warnings(settings: Settings) -> list[str]:
+    api = settings.api
+    if api.tls_cert or _loopback_host(api.listen.host):
+        return []
+    return [
+        f"the HTTP API on {api.listen} speaks plain HTTP: API keys and messages cross the "
+        "network unencrypted (set api.tls_cert and api.tls_key, or let a TLS proxy in front "
+        "reach it on loopback)"
+    ]
+
+
 def _loopback(listener: ListenerSettings) -> bool:
-    host = listener.address.host
+    return _loopback_host(listener.address.host)
+
+
+def _loopback_host(host: str) -> bool:
     if host.lower() == "localhost":
         return True
     try:

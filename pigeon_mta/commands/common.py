@@ -55,6 +55,17 @@ async def open_database(
         await conn.close()
 
 
+def checked_lane(settings: Settings, lane: str) -> str:
+    """`lane` if it is one of the settings' lanes, else a CliError naming them."""
+    if lane not in settings.lanes:
+        known = ", ".join(sorted(settings.lanes))
+        raise CliError(
+            f"there is no lane '{lane}' in the settings (lanes: {known}); declare it under "
+            f"[lanes.{lane}] in the config file"
+        )
+    return lane
+
+
 def jsonable(value: Any) -> Any:
     if isinstance(value, dt.datetime):
         return value.astimezone(dt.UTC).isoformat().replace("+00:00", "Z")

@@ -84,6 +84,7 @@ async def cmd_check_config(args: argparse.Namespace) -> int:
         "status": "ok",
         "hostname": settings.server.hostname,
         "listeners": ", ".join(_listener_text(lsn) for lsn in settings.listener),
+        "api": f"{'https' if settings.api.tls_cert else 'http'}://{settings.api.listen}",
         "database": _database_text(settings),
         "delivery": routing_summary(settings),
         "lanes": _lanes_text(settings),

@@ -11,8 +11,14 @@ import asyncio
 import sys
 from typing import Any
 
-from pigeon_mta.commands.common import CliError, add_common, open_database, print_object, print_rows
-from pigeon_mta.config import Settings
+from pigeon_mta.commands.common import (
+    CliError,
+    add_common,
+    checked_lane,
+    open_database,
+    print_object,
+    print_rows,
+)
 from pigeon_mta.store import credentials as store_credentials
 from pigeon_mta.store import orgs as store_orgs
 
@@ -81,17 +87,6 @@ def _check_username(username: str) -> None:
         raise CliError(problem)
 
 
-def _checked_lane(settings: Settings, lane: str) -> str:
-    """`lane` if it is one of the settings' lanes, else a CliError naming them."""
-    if lane not in settings.lanes:
-        known = ", ".join(sorted(settings.lanes))
-        raise CliError(
-            f"there is no lane '{lane}' in the settings (lanes: {known}); declare it under "
-            f"[lanes.{lane}] in the config file"
-        )
-    return lane
-
-
 def _read_password() -> str:
     data = sys.stdin.buffer.read()
     try:
@@ -130,7 +125,7 @@ async def cmd_add(args: argparse.Namespace) -> int:
     _check_username(args.username)
     password, password_hash = await _new_password(args)
     async with open_database(args) as (settings, conn):
-        lane = _checked_lane(settings, args.lane) if args.lane is not None else None
+        lane = checked_lane(settings, args.lane) if args.lane is not None else None
         org = await store_orgs.find_org(conn, args.org)
         if org is None:
             raise CliError(
@@ -160,7 +155,7 @@ async def cmd_list(args: argparse.Namespace) -> int:
 
 async def cmd_set(args: argparse.Namespace) -> int:
     async with open_database(args) as (settings, conn):
-        lane = None if args.no_lane else _checked_lane(settings, args.lane)
+        lane = None if args.no_lane else checked_lane(settings, args.lane)
         user = await store_credentials.set_lane(conn, args.username, lane)
     if user is None:
         raise CliError(f"there is no user '{args.username}'")

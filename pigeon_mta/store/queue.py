@@ -217,3 +217,24 @@ def batch_columns(batch: Sequence[tuple[uuid.UUID, Envelope]]) -> list[Sequence[
         [h.owner if h else None for h in handoffs],
         [h.lease if h else None for h in handoffs],
     ]
+
+
+# ---------------------------------------------------------------- read back
+
+
+async def queued_recipients(
+    db: Executor, org_id: uuid.UUID, queue_id: uuid.UUID
+) -> tuple[str | None, list[tuple[uuid.UUID, str]]] | None:
+    """The Message-ID header value of the org's message `queue_id` and its recipients (id,
+    address), ordered by id; None when the org has no such message."""
+    rows = await db.fetch(
+        """SELECT m.header_message_id, r.id, r.address
+           FROM message m JOIN recipient r ON r.message_id = m.id
+           WHERE m.id = $1 AND m.org_id = $2
+           ORDER BY r.id""",
+        queue_id,
+        org_id,
+    )
+    if not rows:
+        return None
+    return rows[0]["header_message_id"], [(r["id"], r["address"]) for r in rows]

@@ -77,10 +77,18 @@ class Fixed:
 
 
 def apply_fixups(
-    data: bytes, trace: Trace, *, new_message_id: str, max_header_size: int = 0, max_hops: int = 0
+    data: bytes,
+    trace: Trace,
+    *,
+    new_message_id: str,
+    max_header_size: int = 0,
+    max_hops: int = 0,
+    top: bytes | None = None,
 ) -> Fixed:
     """The message as queued. Raises message.HeaderTooLarge past `max_header_size`, TooManyHops
-    when the message holds `max_hops` Received fields already, ours to come (0: no limit)."""
+    when the message holds `max_hops` Received fields already, ours to come (0: no limit).
+    `top`: the trace fields to put on top instead of the Received and Authentication-Results of
+    an SMTP submission (the HTTP API writes its own, api/trace.py)."""
     data = normalize_line_endings(data)
     if data and not data.endswith(CRLF):
         data += CRLF
@@ -106,7 +114,8 @@ def apply_fixups(
     rest = split.rest
     if not split.separated and rest:
         rest = CRLF + rest  # a body with no blank line before it must not become header
-    top = received_header(trace) + authentication_results(trace)
+    if top is None:
+        top = received_header(trace) + authentication_results(trace)
     out = b"".join((top, *fields, *added, rest))
     originators = [(n.decode("ascii"), field_value(f)) for n, f in named if n in ORIGINATOR_FIELDS]
     return Fixed(out, message_id, originators, lane_fields)

@@ -9,7 +9,6 @@ Hooks receive the connection (`server`, a `protocol.SMTPSession`); per-connectio
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import uuid
 from datetime import UTC, datetime
@@ -29,7 +28,7 @@ from pigeon_mta.submission.fixups import TooManyHops, Trace, apply_fixups
 from pigeon_mta.submission.lanes import choose_lane
 from pigeon_mta.submission.mail_params import TransactionEnvelope
 from pigeon_mta.submission.policy import SenderPolicy
-from pigeon_mta.submission.reception import Reception, record_duplicates, record_reception
+from pigeon_mta.submission.reception import Reception, announce
 from pigeon_mta.submission.sasl import SaslExchange
 
 log = logging.getLogger("pigeon_mta.submission")
@@ -266,21 +265,8 @@ class SubmissionHandler:
         self, message: model.Envelope, reception: Reception, duplicates: Duplicates | None
     ) -> uuid.UUID:
         """After the commit (which handed the message to an engine or woke the engines, see
-        store/group_commit.py): write the Reception (and Duplicate) records and the log lines.
-        Returns the queue id to answer."""
-        if duplicates is not None:
-            if self.ctx.delivery_log is not None:
-                self.ctx.delivery_log.duplicates(message, duplicates)
-            record_duplicates(reception, duplicates)
-            queued = tuple(r for r in message.recipients if r not in duplicates.originals)
-            if not queued:
-                return duplicates.reply_id
-            message = dataclasses.replace(message, recipients=queued)
-            reception = dataclasses.replace(reception, recipients=queued)
-        if self.ctx.delivery_log is not None:
-            self.ctx.delivery_log.reception(reception.queue_id, message)
-        record_reception(reception)
-        return reception.queue_id
+        store/group_commit.py): see `reception.announce`."""
+        return announce(message, reception, duplicates, delivery_log=self.ctx.delivery_log)
 
     def _orphan_outcome(
         self,

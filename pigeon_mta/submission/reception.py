@@ -1,17 +1,20 @@
 """A queued message's `Reception` and its report: the "queued" log line and the accepted counter;
 and the report of the recipients a retried submission named again (store/duplicates.py).
 
-The handler builds the Reception once the commit has succeeded and, before the 250, writes the
-delivery log's reception records beside this report (`SubmissionHandler._announce`).
+The SMTP handler and the HTTP API build the Reception once the commit has succeeded and, before
+they answer, `announce` writes the delivery log's reception records beside this report.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
+from pigeon_mta import model
+from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.metrics import DUPLICATE_RECIPIENTS, MESSAGES_ACCEPTED
 from pigeon_mta.store.duplicates import Duplicates
 
@@ -73,3 +76,29 @@ def record_duplicates(reception: Reception, duplicates: Duplicates) -> None:
         reception.sender,
         ", ".join(str(q) for q in sorted(set(duplicates.originals.values()))),
     )
+
+
+def announce(
+    message: model.Envelope,
+    reception: Reception,
+    duplicates: Duplicates | None,
+    *,
+    delivery_log: DeliveryLog | None,
+) -> uuid.UUID:
+    """After the commit (the group commit has handed the message to an engine or woken the
+    engines): write the Reception (and Duplicate) records and the log lines. Returns the queue id
+    to answer: the message's, or that of the message queued first when every recipient was a
+    duplicate."""
+    if duplicates is not None:
+        if delivery_log is not None:
+            delivery_log.duplicates(message, duplicates)
+        record_duplicates(reception, duplicates)
+        queued = tuple(r for r in message.recipients if r not in duplicates.originals)
+        if not queued:
+            return duplicates.reply_id
+        message = dataclasses.replace(message, recipients=queued)
+        reception = dataclasses.replace(reception, recipients=queued)
+    if delivery_log is not None:
+        delivery_log.reception(reception.queue_id, message)
+    record_reception(reception)
+    return reception.queue_id

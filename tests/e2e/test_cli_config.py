@@ -84,3 +84,4 @@ def test_check_config_lists_the_lanes_and_the_listeners_lane(tmp_path: Path) -> 
         "bulk (weight 1, rate 20/s, max_age 2d), notify (weight 5), transactional (weight 10)"
     )
     assert shown["listeners"] == "news=127.0.0.1:2600/relay (lane bulk)"
+    assert shown["api"] == "http://127.0.0.1:8025"

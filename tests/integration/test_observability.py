@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -244,5 +245,6 @@ async def test_http_answers_metrics_health_and_errors(server: ObservabilityServe
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     writer.write(b"HELLO\r\n\r\n")
     await writer.drain()
-    assert (await reader.read()).startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    # A request line that is no HTTP names no version: the answer may be in HTTP/1.0.
+    assert re.match(rb"HTTP/1\.[01] 400 Bad Request\r\n", await reader.read())
     writer.close()

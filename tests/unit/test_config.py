@@ -222,3 +222,38 @@ def test_lane_mistakes_name_their_key(tmp_path: Path, text: str, expected: str) 
     path.write_text(text)
     with pytest.raises(ConfigError, match=re.escape(expected)):
         load_settings(path)
+
+
+def test_api_listens_on_8025_by_default_and_takes_a_certificate_with_its_key(
+    tmp_path: Path,
+) -> None:
+    s = load_settings(None, env={})
+    assert (s.api.listen, s.api.tls_cert, s.api.tls_key) == (HostPort("127.0.0.1", 8025), "", "")
+    s = load_settings(
+        write(tmp_path, '[api]\nlisten = "[::1]:8443"\ntls_cert = "c.pem"\ntls_key = "k.pem"\n'),
+        env={},
+    )
+    assert (s.api.listen, s.api.tls_cert, s.api.tls_key) == (
+        HostPort("::1", 8443),
+        "c.pem",
+        "k.pem",
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('[api]\ntls_cert = "c.pem"\n', "set both 'api.tls_cert' and 'api.tls_key', or neither"),
+        ('[api]\ntls_key = "k.pem"\n', "set both 'api.tls_cert' and 'api.tls_key', or neither"),
+        ('[api]\nlisten = "8025"\n', "bad value for 'api.listen'"),
+        ('[api]\nlistn = "127.0.0.1:8025"\n', "unknown key 'api.listn'"),
+        (
+            '[api]\nlisten = "127.0.0.1:9187"\n',
+            "'api.listen' 127.0.0.1:9187 is the address of a listener or of metrics",
+        ),
+    ],
+)
+def test_api_mistakes_name_their_key(tmp_path: Path, text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, text), env={})
+    assert expected in str(info.value)

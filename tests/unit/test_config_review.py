@@ -125,3 +125,23 @@ def test_check_config_prints_warnings_on_stderr_and_still_succeeds(tmp_path: Pat
     assert lines["status"] == "ok"
     assert lines["delivery"] == "everything to the recipient domains' MX hosts on port 25"
     assert "keys_known" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("api", "warned"),
+    [
+        ('listen = "0.0.0.0:8025"\n', True),
+        ('listen = "[::]:8025"\n', True),
+        ('listen = "127.0.0.1:8025"\n', False),
+        ('listen = "localhost:8025"\n', False),
+        (f'listen = "0.0.0.0:8025"\n{CERT}', False),
+    ],
+)
+def test_a_plain_http_api_off_loopback_is_warned_about(
+    tmp_path: Path, api: str, warned: bool
+) -> None:
+    got = [w for w in config_warnings(settings(tmp_path, f"[api]\n{api}")) if "HTTP API" in w]
+    if warned:
+        assert len(got) == 1 and "speaks plain HTTP" in got[0] and "api.tls_cert" in got[0]
+    else:
+        assert got == []

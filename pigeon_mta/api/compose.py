@@ -1,0 +1,350 @@
+"""What a `POST /v1/messages` asks to send: an envelope and the message bytes, from either form.
+
+- JSON (`application/json`): the fields below, built into MIME with the standard `email` package.
+- Raw (`message/rfc822`): the message as written, the envelope in the query (`from`, `to`).
+
+Everything a request says is checked here, before anything is queued; each refusal is a
+`Problem` whose detail names the field. A CR or LF in a header value or name is refused, never
+folded in: it would let a caller write header fields of its own choosing.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import email.errors
+import email.policy
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from email.headerregistry import Address
+from email.message import EmailMessage
+from typing import Any
+
+from pigeon_mta.api import problems
+from pigeon_mta.api.problems import Problem
+from pigeon_mta.config import LimitsSettings
+from pigeon_mta.message import split_header
+from pigeon_mta.submission.addresses import AddressProblem, Mailbox, parse_mailbox
+from pigeon_mta.submission.data import LINE_LIMIT, fold_long_lines
+from pigeon_mta.submission.fixups import normalize_line_endings
+
+JSON_FIELDS = frozenset(
+    {
+        "from",
+        "to",
+        "cc",
+        "bcc",
+        "reply_to",
+        "subject",
+        "text",
+        "html",
+        "headers",
+        "attachments",
+        "lane",
+    }
+)
+ATTACHMENT_FIELDS = frozenset({"filename", "content_type", "content"})
+# Fields the JSON form writes itself (or, for X-Pigeon-Lane, reads from `lane`).
+_OWN_HEADERS = frozenset(
+    {
+        "from",
+        "to",
+        "cc",
+        "bcc",
+        "reply-to",
+        "subject",
+        "mime-version",
+        "content-type",
+        "content-transfer-encoding",
+        "x-pigeon-lane",
+    }
+)
+# RFC 5322 2.2: a field name is printable US-ASCII other than the colon.
+_FIELD_NAME = re.compile(r"[!-9;-~]{1,76}")
+_MEDIA_TYPE = re.compile(
+    r"[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,63}/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,63}"
+)
+_SMTP = email.policy.SMTP
+
+
+@dataclass(frozen=True)
+class Submission:
+    sender: Mailbox
+    recipients: tuple[str, ...]  # envelope recipients, each once, in the order given
+    data: bytes  # the message, CRLF line endings
+    lane: str | None  # the JSON `lane`, None when the request names none
+
+
+# ---------------------------------------------------------------- JSON
+
+
+def from_json(body: bytes, limits: LimitsSettings) -> Submission:
+    try:
+        request = json.loads(body)
+    except (ValueError, RecursionError):
+        raise Problem(problems.INVALID_JSON, "The request body is not valid JSON.") from None
+    if not isinstance(request, dict):
+        raise Problem(problems.INVALID_JSON, "The request body must be a JSON object.")
+    unknown = sorted(set(request) - JSON_FIELDS)
+    if unknown:
+        raise Problem(problems.INVALID_FIELD, f"The field '{_shown(unknown[0])}' is not known.")
+    if "from" not in request:
+        raise Problem(problems.INVALID_FIELD, "The field 'from' is missing.")
+    sender = _address(request["from"], "from")
+    to = _addresses(request.get("to"), "to")
+    cc = _addresses(request.get("cc"), "cc")
+    bcc = _addresses(request.get("bcc"), "bcc")
+    reply_to = _addresses(request.get("reply_to"), "reply_to")
+    recipients = _envelope_recipients([a for a, _name in to + cc + bcc], limits)
+    if not recipients:
+        raise Problem(problems.INVALID_FIELD, "The fields 'to', 'cc' and 'bcc' name no recipient.")
+    subject = _string(request, "subject")
+    text = _string(request, "text")
+    html = _string(request, "html")
+    lane = _string(request, "lane")
+    if text is None and html is None:
+        raise Problem(problems.INVALID_FIELD, "The request needs a 'text' or an 'html' field.")
+    message = EmailMessage(policy=_SMTP)
+    _set(message, "From", [_header_address(*sender)], "from")
+    if to:
+        _set(message, "To", [_header_address(*a) for a in to], "to")
+    if cc:
+        _set(message, "Cc", [_header_address(*a) for a in cc], "cc")
+    if reply_to:
+        _set(message, "Reply-To", [_header_address(*a) for a in reply_to], "reply_to")
+    if subject is not None:
+        _check_value(subject, "subject")
+        _set(message, "Subject", subject, "subject")
+    for name, value in _headers(request.get("headers")):
+        _set(message, name, value, f"headers.{name}")
+    if text is not None:
+        message.set_content(text, cte=_cte(text))
+    if html is not None:
+        if text is None:
+            message.set_content(html, subtype="html", cte=_cte(html))
+        else:
+            message.add_alternative(html, subtype="html", cte=_cte(html))
+    for i, (filename, content_type, content) in enumerate(_attachments(request)):
+        maintype, subtype = content_type.split("/")
+        try:
+            message.add_attachment(content, maintype=maintype, subtype=subtype, filename=filename)
+        except (ValueError, TypeError, email.errors.MessageError):
+            raise Problem(
+                problems.INVALID_FIELD, f"The attachment 'attachments[{i}]' cannot be encoded."
+            ) from None
+    try:
+        data = message.as_bytes(policy=_SMTP)
+    except (ValueError, TypeError, UnicodeError, email.errors.MessageError) as exc:
+        raise Problem(
+            problems.INVALID_HEADER, f"The message cannot be built from these fields: {exc}."
+        ) from None
+    _check_size(data, limits)
+    return Submission(sender[0], recipients, data, lane)
+
+
+def _cte(text: str) -> str | None:
+    """Quoted-printable for non-ASCII text (the email package would pick 8bit for short lines,
+    which a destination without 8BITMIME cannot take); its own choice otherwise."""
+    return None if text.isascii() else "quoted-printable"
+
+
+def _string(request: Mapping[str, Any], name: str) -> str | None:
+    value = request.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise Problem(problems.INVALID_FIELD, f"The field '{name}' must be a string.")
+    if "\x00" in value:
+        raise Problem(problems.INVALID_FIELD, f"The field '{name}' contains a NUL character.")
+    return value
+
+
+def _check_value(value: str, field: str) -> None:
+    if "\r" in value or "\n" in value:
+        raise Problem(
+            problems.INVALID_HEADER,
+            f"The field '{_shown(field)}' contains a CR or LF, which a header value may not.",
+        )
+    if any(ord(c) < 0x20 and c != "\t" for c in value):
+        raise Problem(
+            problems.INVALID_HEADER, f"The field '{_shown(field)}' contains a control character."
+        )
+
+
+def _set(message: EmailMessage, name: str, value: Any, field: str) -> None:
+    try:
+        message[name] = value
+    except (ValueError, TypeError, IndexError, email.errors.MessageError):
+        raise Problem(
+            problems.INVALID_HEADER, f"The value of '{_shown(field)}' is not a valid header value."
+        ) from None
+
+
+def _headers(value: object) -> list[tuple[str, str]]:
+    if value is None:
+        return []
+    if not isinstance(value, dict):
+        raise Problem(problems.INVALID_FIELD, "The field 'headers' must be an object.")
+    out = []
+    for name, text in value.items():
+        if not _FIELD_NAME.fullmatch(name):
+            raise Problem(
+                problems.INVALID_HEADER,
+                f"The header name '{_shown(name)}' in 'headers' is not a field name (printable "
+                "ASCII without spaces or a colon, RFC 5322 2.2).",
+            )
+        if name.lower() in _OWN_HEADERS:
+            raise Problem(
+                problems.INVALID_HEADER,
+                f"The header '{name}' in 'headers' is set from the request's own fields.",
+            )
+        if not isinstance(text, str):
+            raise Problem(
+                problems.INVALID_FIELD, f"The value of 'headers.{name}' must be a string."
+            )
+        _check_value(text, f"headers.{name}")
+        out.append((name, text))
+    return out
+
+
+def _attachments(request: Mapping[str, Any]) -> list[tuple[str, str, bytes]]:
+    value = request.get("attachments")
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise Problem(problems.INVALID_FIELD, "The field 'attachments' must be a list.")
+    out = []
+    for i, item in enumerate(value):
+        where = f"attachments[{i}]"
+        if not isinstance(item, dict):
+            raise Problem(problems.INVALID_FIELD, f"The item '{where}' must be an object.")
+        unknown = sorted(set(item) - ATTACHMENT_FIELDS)
+        if unknown:
+            raise Problem(
+                problems.INVALID_FIELD, f"The field '{where}.{_shown(unknown[0])}' is not known."
+            )
+        filename = _string(item, "filename") or ""
+        _check_value(filename, f"{where}.filename")
+        if not filename:
+            raise Problem(problems.INVALID_FIELD, f"The field '{where}.filename' is missing.")
+        content_type = _string(item, "content_type") or "application/octet-stream"
+        if not _MEDIA_TYPE.fullmatch(content_type):
+            raise Problem(
+                problems.INVALID_FIELD,
+                f"The field '{where}.content_type' is not a media type like application/pdf.",
+            )
+        encoded = _string(item, "content")
+        if encoded is None:
+            raise Problem(problems.INVALID_FIELD, f"The field '{where}.content' is missing.")
+        try:
+            content = base64.b64decode(encoded, validate=True)
+        except (binascii.Error, ValueError):
+            raise Problem(
+                problems.INVALID_FIELD, f"The field '{where}.content' is not valid base64."
+            ) from None
+        out.append((filename, content_type, content))
+    return out
+
+
+# ---------------------------------------------------------------- addresses
+
+
+def _address(value: object, field: str) -> tuple[Mailbox, str]:
+    """A mailbox and its display name from "addr@example.com" or "Name <addr@example.com>"."""
+    if not isinstance(value, str):
+        raise Problem(problems.INVALID_FIELD, f"The field '{field}' must be a string address.")
+    _check_value(value, field)
+    text, name = value.strip(), ""
+    if text.endswith(">") and "<" in text:
+        name, _, text = text[:-1].rpartition("<")
+        name = name.strip()
+        if len(name) >= 2 and name[0] == name[-1] == '"':
+            name = name[1:-1]
+    parsed = parse_mailbox(text, smtputf8=False)
+    if isinstance(parsed, Mailbox):
+        return parsed, name
+    reason = {
+        AddressProblem.SYNTAX: "is not a valid address",
+        AddressProblem.NEEDS_SMTPUTF8: "has non-ASCII characters, which need SMTPUTF8",
+        AddressProblem.LITERAL: "is an address literal, which pigeon-mta does not route",
+    }[parsed]
+    raise Problem(problems.INVALID_ADDRESS, f"The address '{_shown(text)}' in '{field}' {reason}.")
+
+
+def _addresses(value: object, field: str) -> list[tuple[Mailbox, str]]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise Problem(
+            problems.INVALID_FIELD, f"The field '{field}' must be an address or a list of them."
+        )
+    return [_address(item, f"{field}[{i}]") for i, item in enumerate(value)]
+
+
+def _header_address(mailbox: Mailbox, name: str) -> Address:
+    return Address(display_name=name, username=mailbox.local, domain=mailbox.domain)
+
+
+def _envelope_recipients(mailboxes: list[Mailbox], limits: LimitsSettings) -> tuple[str, ...]:
+    """Each mailbox once (the domain compared without case, as the SMTP handler does)."""
+    seen: dict[str, str] = {}
+    for mailbox in mailboxes:
+        seen.setdefault(f"{mailbox.local}@{mailbox.domain.lower()}", str(mailbox))
+    if len(seen) > limits.max_recipients:
+        raise Problem(
+            problems.TOO_MANY_RECIPIENTS,
+            f"The request names {len(seen)} recipients; limits.max_recipients allows "
+            f"{limits.max_recipients}.",
+        )
+    return tuple(seen.values())
+
+
+# ---------------------------------------------------------------- raw
+
+
+def from_raw(body: bytes, sender: list[str], to: list[str], limits: LimitsSettings) -> Submission:
+    """The message as the client wrote it; the envelope from the query parameters."""
+    if len(sender) != 1:
+        raise Problem(problems.INVALID_FIELD, "The query parameter 'from' must be given once.")
+    mailbox, _name = _address(sender[0], "from")
+    if not to:
+        raise Problem(problems.INVALID_FIELD, "The query parameter 'to' is missing.")
+    recipients = _envelope_recipients(
+        [_address(t, f"to[{i}]")[0] for i, t in enumerate(to)], limits
+    )
+    _check_size(body, limits)
+    data = normalize_line_endings(body)
+    if not split_header(data).fields:
+        raise Problem(
+            problems.INVALID_MESSAGE,
+            "The message has no header section: it must start with a field like 'From: ...'.",
+        )
+    if any(len(line) > LINE_LIMIT for line in data.split(b"\r\n")):
+        if limits.long_lines == "refuse":
+            raise Problem(
+                problems.INVALID_MESSAGE,
+                f"The message has a line over {LINE_LIMIT} octets (limits.long_lines = refuse).",
+            )
+        data, _folded = fold_long_lines(data)
+    if data and not data.endswith(b"\r\n"):
+        data += b"\r\n"
+    return Submission(mailbox, recipients, data, None)
+
+
+def _check_size(data: bytes, limits: LimitsSettings) -> None:
+    if limits.max_message_size and len(data) > limits.max_message_size:
+        raise Problem(
+            problems.TOO_LARGE,
+            f"The message is {len(data)} bytes; limits.max_message_size allows "
+            f"{limits.max_message_size}.",
+        )
+
+
+def _shown(text: str, limit: int = 64) -> str:
+    """Client text made safe to repeat in a detail: printable, and not too long."""
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,111 @@
+"""The `Idempotency-Key` of a send: what an earlier use of the key left, the claim of the key
+before the enqueue, and the answer kept after it (store/idempotency.py keeps them; api/send.py
+says why the claim names the queue id).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import uuid
+from dataclasses import dataclass
+
+import asyncpg
+from aiohttp import web
+
+from pigeon_mta.api import problems
+from pigeon_mta.api.problems import Problem
+from pigeon_mta.store import idempotency as store_idempotency
+from pigeon_mta.store.connect import DB_ERRORS
+
+log = logging.getLogger("pigeon_mta.api")
+
+HEADER = "Idempotency-Key"
+MAX_KEY = 255
+JSON = "application/json"
+
+
+@dataclass(frozen=True)
+class Idempotency:
+    pool: asyncpg.Pool
+    org_id: uuid.UUID
+    key: str
+    request_hash: bytes  # of the method, path, query, content type and body
+
+    @classmethod
+    def of(
+        cls, request: web.Request, body: bytes, pool: asyncpg.Pool, org_id: uuid.UUID
+    ) -> Idempotency | None:
+        """The request's key, None without the header; a Problem for a malformed one."""
+        value = request.headers.get(HEADER)
+        if value is None:
+            return None
+        if not 0 < len(value) <= MAX_KEY or not all(" " <= c <= "~" for c in value):
+            raise Problem(
+                problems.INVALID_HEADER,
+                f"The {HEADER} header must be 1 to {MAX_KEY} printable ASCII characters.",
+            )
+        digest = hashlib.sha256()
+        for part in (request.method, request.path, request.query_string, request.content_type):
+            digest.update(part.encode("utf-8", "surrogateescape") + b"\0")
+        digest.update(body)
+        return cls(pool, org_id, value, digest.digest())
+
+    async def earlier(self) -> web.Response | uuid.UUID | None:
+        """The stored answer to an earlier use of the key, or the queue id of one not answered
+        yet, or None for a key not used within the TTL. 422 for a use with another request."""
+        try:
+            found = await store_idempotency.find(self.pool, self.org_id, self.key)
+        except DB_ERRORS as exc:
+            log.warning("Idempotency-Key lookup: database trouble: %s", exc)
+            raise problems.database_unavailable(f"the {HEADER} could not be looked up") from None
+        return self._replay(found)
+
+    async def claim(self, queue_id: uuid.UUID) -> web.Response | uuid.UUID:
+        """The queue id to queue under: `queue_id` when the claim is ours, else that of the
+        request that claimed the key first (or its stored answer). Raises on DB trouble."""
+        found = await store_idempotency.claim(
+            self.pool, self.org_id, self.key, self.request_hash, queue_id
+        )
+        if found is None:
+            return queue_id
+        replayed = self._replay(found)
+        assert replayed is not None
+        return replayed
+
+    async def remember(self, queue_id: uuid.UUID, status: int, body: bytes) -> None:
+        try:
+            await store_idempotency.remember_answer(
+                self.pool, self.org_id, self.key, queue_id, status, body
+            )
+        except DB_ERRORS as exc:
+            # A repeat answers from the queued rows instead (api/send.py).
+            log.warning("the answer for the %s of %s is not stored: %s", HEADER, queue_id, exc)
+
+    async def forget(self, queue_id: uuid.UUID) -> None:
+        """Give up the claim of a message that was not queued."""
+        try:
+            await store_idempotency.forget(self.pool, self.org_id, self.key, queue_id)
+        except DB_ERRORS:
+            pass  # a repeat finds no message under the claimed id and queues it then
+
+    def _replay(
+        self, found: store_idempotency.Remembered | None
+    ) -> web.Response | uuid.UUID | None:
+        if found is None:
+            return None
+        if found.request_hash != self.request_hash:
+            raise Problem(
+                problems.IDEMPOTENCY_KEY_REUSED,
+                f"The {HEADER} header was used within 24 hours for a request with another body "
+                "or query.",
+            )
+        if found.status is not None and found.response is not None:
+            return json_response(found.status, found.response)
+        return found.queue_id
+
+
+def json_response(status: int, body: bytes) -> web.Response:
+    response = web.Response(status=status, body=body)
+    response.headers["Content-Type"] = JSON
+    return response

@@ -1,0 +1,105 @@
+"""The sender policy and the rate limit for API mail: the rules of submission/policy.py, worded as
+problems.
+
+`relay.sender_policy` holds as for an SMTP AUTH user, the API key standing for the user: "off"
+checks nothing; otherwise the envelope sender must be at one of the org's sender domains; "strict"
+also asks it of every From:, Sender:, Resent-From: and Resent-Sender: address, and a message must
+name a From: address. Every From: is measured against `limits.max_from_*` whatever the policy, as
+for SMTP mail. `limits.credential_rate_limit` counts a key's messages as it counts a user's.
+"""
+
+from __future__ import annotations
+
+import asyncpg
+
+from pigeon_mta.api import problems
+from pigeon_mta.api.problems import Problem
+from pigeon_mta.config import Settings
+from pigeon_mta.header_bounds import FieldBounds, FieldProblem, split_addresses
+from pigeon_mta.message import address_domains
+from pigeon_mta.store import apikeys as store_apikeys
+from pigeon_mta.store import domains as store_domains
+from pigeon_mta.store.apikeys import ApiKey
+from pigeon_mta.submission.addresses import Mailbox
+
+# What a client is told to wait when its key is over its rate (at most the window).
+_RATE_RETRY_AFTER = 60
+
+_FIELD_NAMES = {
+    "from": "From",
+    "sender": "Sender",
+    "resent-from": "Resent-From",
+    "resent-sender": "Resent-Sender",
+}
+
+
+class ApiSenderPolicy:
+    def __init__(self, settings: Settings, pool: asyncpg.Pool) -> None:
+        self.settings = settings
+        self.pool = pool
+        limits = settings.limits
+        self.from_bounds = FieldBounds(limits.max_from_addresses, limits.max_from_length)
+
+    async def check_rate(self, key: ApiKey) -> None:
+        """429 when the key has sent its `limits.credential_rate_limit` (raises on DB trouble)."""
+        limits = self.settings.limits
+        if limits.credential_rate_limit <= 0:
+            return
+        recent = await store_apikeys.recent_messages_of_key(
+            self.pool,
+            key.id,
+            window=limits.credential_rate_window,
+            up_to=limits.credential_rate_limit,
+        )
+        if recent >= limits.credential_rate_limit:
+            raise Problem(
+                problems.RATE_LIMITED,
+                f"The API key has sent {recent} messages within limits.credential_rate_window "
+                f"({limits.credential_rate_window:g}s), as many as limits.credential_rate_limit "
+                "allows.",
+                retry_after=int(min(_RATE_RETRY_AFTER, limits.credential_rate_window)) or 1,
+            )
+
+    async def check_sender(self, key: ApiKey, sender: Mailbox) -> None:
+        """403 unless the org may send as the envelope sender (raises on DB trouble)."""
+        if self.settings.relay.sender_policy == "off":
+            return
+        if not await store_domains.org_may_send_as(self.pool, key.org_id, sender.domain):
+            raise Problem(
+                problems.SENDER_NOT_OWNED,
+                f"The sender '{sender}' in 'from' is not at one of the sender domains of the "
+                f"org '{key.org}'.",
+            )
+
+    async def check_originators(self, key: ApiKey, fields: list[tuple[str, str]]) -> None:
+        """The originator fields of the message (name, value) against the policy."""
+        strict = self.settings.relay.sender_policy == "strict"
+        domains: dict[str, set[str]] = {}
+        for name, value in fields:
+            if name != "from" and not strict:
+                continue
+            read = (
+                address_domains(value, self.from_bounds)
+                if strict
+                else split_addresses(value, self.from_bounds)
+            )
+            if isinstance(read, FieldProblem):
+                raise Problem(
+                    problems.INVALID_HEADER,
+                    f"The {_FIELD_NAMES[name]}: field of the message {read.value}.",
+                )
+            if strict:
+                assert isinstance(read, set)
+                domains.setdefault(name, set()).update(read)
+        if not strict:
+            return
+        if not domains.get("from"):
+            raise Problem(problems.INVALID_HEADER, "The message has no From: address.")
+        for name, named in domains.items():
+            for domain in sorted(named):
+                if not await store_domains.org_may_send_as(self.pool, key.org_id, domain):
+                    raise Problem(
+                        problems.SENDER_NOT_OWNED,
+                        f"The {_FIELD_NAMES[name]}: field names @{domain}, which is not a "
+                        f"sender domain of the org '{key.org}'.",
+                    )

@@ -1,0 +1,115 @@
+"""Refusals of the HTTP API as RFC 9457 problem details (`application/problem+json`).
+
+Each kind of refusal is a `ProblemType` constant with its status and title, so that the code, the
+OpenAPI document and the tests name the same ones. A `Problem` is raised with a `detail`: one
+sentence that names the field at fault.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from aiohttp import web
+
+CONTENT_TYPE = "application/problem+json"
+# Problem type URIs are names, not pages (RFC 9457 3.1.1 allows a URI that cannot be fetched).
+TYPE_PREFIX = "urn:pigeon-mta:problem:"
+
+
+@dataclass(frozen=True)
+class ProblemType:
+    slug: str
+    status: int
+    title: str
+
+    @property
+    def uri(self) -> str:
+        return TYPE_PREFIX + self.slug
+
+
+INVALID_JSON = ProblemType("invalid-json", 400, "The request body is not valid JSON")
+INVALID_MESSAGE = ProblemType(
+    "invalid-message", 400, "The message is not a readable RFC 5322 message"
+)
+UNAUTHORIZED = ProblemType("unauthorized", 401, "A valid API key is needed")
+SENDER_NOT_OWNED = ProblemType("sender-not-owned", 403, "The org may not send as this address")
+NOT_FOUND = ProblemType("not-found", 404, "There is nothing here")
+METHOD_NOT_ALLOWED = ProblemType("method-not-allowed", 405, "This method is not allowed here")
+TOO_LARGE = ProblemType("too-large", 413, "The message is over limits.max_message_size")
+UNSUPPORTED_MEDIA_TYPE = ProblemType(
+    "unsupported-media-type", 415, "Send application/json or message/rfc822"
+)
+INVALID_FIELD = ProblemType("invalid-field", 422, "A field of the request is missing or wrong")
+INVALID_ADDRESS = ProblemType("invalid-address", 422, "An address is not a valid mailbox")
+INVALID_HEADER = ProblemType("invalid-header", 422, "A header field name or value is not allowed")
+TOO_MANY_RECIPIENTS = ProblemType(
+    "too-many-recipients", 422, "The message has more recipients than limits.max_recipients"
+)
+UNKNOWN_LANE = ProblemType("unknown-lane", 422, "The lane is not one of the server's lanes")
+IDEMPOTENCY_KEY_REUSED = ProblemType(
+    "idempotency-key-reused", 422, "The Idempotency-Key was used with another request"
+)
+RATE_LIMITED = ProblemType("rate-limited", 429, "The API key's message rate limit is reached")
+INTERNAL_ERROR = ProblemType("internal-error", 500, "The server failed; see its log")
+DATABASE_UNAVAILABLE = ProblemType(
+    "database-unavailable", 503, "The database is unavailable; try again later"
+)
+
+ALL = (
+    INVALID_JSON,
+    INVALID_MESSAGE,
+    UNAUTHORIZED,
+    SENDER_NOT_OWNED,
+    NOT_FOUND,
+    METHOD_NOT_ALLOWED,
+    TOO_LARGE,
+    UNSUPPORTED_MEDIA_TYPE,
+    INVALID_FIELD,
+    INVALID_ADDRESS,
+    INVALID_HEADER,
+    TOO_MANY_RECIPIENTS,
+    UNKNOWN_LANE,
+    IDEMPOTENCY_KEY_REUSED,
+    RATE_LIMITED,
+    INTERNAL_ERROR,
+    DATABASE_UNAVAILABLE,
+)
+
+
+class Problem(Exception):
+    """A refusal, raised anywhere in a request's handling and answered by the middleware."""
+
+    def __init__(self, kind: ProblemType, detail: str, *, retry_after: int | None = None) -> None:
+        super().__init__(detail)
+        self.kind = kind
+        self.detail = detail
+        self.retry_after = retry_after
+
+    def response(self) -> web.Response:
+        body = {
+            "type": self.kind.uri,
+            "title": self.kind.title,
+            "status": self.kind.status,
+            "detail": self.detail,
+        }
+        response = web.Response(status=self.kind.status, body=json.dumps(body).encode())
+        response.headers["Content-Type"] = CONTENT_TYPE
+        if self.retry_after is not None:
+            response.headers["Retry-After"] = str(self.retry_after)
+        if self.kind is UNAUTHORIZED:
+            response.headers["WWW-Authenticate"] = 'Bearer realm="pigeon-mta"'
+        return response
+
+
+# Seconds a client is asked to wait after database trouble.
+RETRY_AFTER_DATABASE = 5
+
+
+def database_unavailable(consequence: str) -> Problem:
+    """503: `consequence` says what could not be done ("the message was not queued")."""
+    return Problem(
+        DATABASE_UNAVAILABLE,
+        f"The database is unavailable, so {consequence}.",
+        retry_after=RETRY_AFTER_DATABASE,
+    )

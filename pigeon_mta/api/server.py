@@ -1,0 +1,140 @@
+"""The HTTP API of one worker process, as a `Service`: its routes, its refusals, its listener.
+
+Every worker process binds `[api] listen` with SO_REUSEPORT (as the SMTP listeners do, see
+submission/service.py) and queues through its own group commit, the one its SMTP listeners use.
+Every refusal leaves as `application/problem+json` (problems.py), aiohttp's own (404, 405, a body
+over the size limit) included; an unexpected error is logged and answered 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import Awaitable, Callable
+
+import asyncpg
+from aiohttp import web
+
+from pigeon_mta.api import problems
+from pigeon_mta.api.openapi import openapi_document
+from pigeon_mta.api.problems import Problem
+from pigeon_mta.api.send import SendHandler
+from pigeon_mta.config import Settings
+from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.store.group_commit import GroupCommit
+from pigeon_mta.web import WebServer
+
+log = logging.getLogger("pigeon_mta.api")
+
+# Room for a message of limits.max_message_size as base64 in JSON (4/3 of it) and its fields.
+_BODY_SLACK = 1024 * 1024
+_NO_LIMIT_BODY = 1024**3
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def build_app(
+    settings: Settings,
+    pool: asyncpg.Pool,
+    group_commit: GroupCommit,
+    *,
+    delivery_log: DeliveryLog | None = None,
+) -> web.Application:
+    size = settings.limits.max_message_size
+    app = web.Application(
+        client_max_size=size * 2 + _BODY_SLACK if size else _NO_LIMIT_BODY,
+        middlewares=[_problems],
+    )
+    send = SendHandler(settings, pool, group_commit, delivery_log=delivery_log)
+    app.router.add_post("/v1/messages", send.post)
+    app.router.add_get("/v1/openapi.json", _openapi)
+    return app
+
+
+async def _openapi(_request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
+_AIOHTTP_PROBLEMS = {
+    404: (problems.NOT_FOUND, "There is no route {path}; see /v1/openapi.json."),
+    405: (problems.METHOD_NOT_ALLOWED, "The method {method} is not allowed on {path}."),
+    413: (problems.TOO_LARGE, "The request body is over the size the server reads."),
+}
+
+
+@web.middleware
+async def _problems(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except Problem as problem:
+        return problem.response()
+    except web.HTTPException as exc:
+        known = _AIOHTTP_PROBLEMS.get(exc.status)
+        if known is None:
+            raise
+        kind, detail = known
+        path = request.path[:100]
+        return Problem(kind, detail.format(path=path, method=request.method)).response()
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path[:100])
+        return Problem(problems.INTERNAL_ERROR, "The request failed in the server.").response()
+
+
+class ApiService:
+    """The API's listener in one worker process."""
+
+    name = "api"
+
+    def __init__(
+        self,
+        settings: Settings,
+        pool: asyncpg.Pool,
+        group_commit: GroupCommit,
+        *,
+        delivery_log: DeliveryLog | None = None,
+    ) -> None:
+        self.settings = settings
+        app = build_app(settings, pool, group_commit, delivery_log=delivery_log)
+        self.server = WebServer(app, settings.api.listen, reuse_port=True)
+
+    async def start(self) -> None:
+        api = self.settings.api
+        if api.tls_cert:
+            self.server.ssl_context = await asyncio.to_thread(
+                _tls_context, api.tls_cert, api.tls_key
+            )
+        try:
+            await self.server.start()
+        except OSError as exc:
+            raise RuntimeError(
+                f"the HTTP API cannot bind 'api.listen' {api.listen}: {exc.strerror or exc}"
+            ) from None
+        log.info(
+            "HTTP API on %s://%s",
+            "https" if api.tls_cert else "http",
+            _shown(api.listen, self.server.port),
+        )
+
+    async def stop(self, deadline: float) -> None:
+        """Stop accepting; requests under way (their commits included) get web.SHUTDOWN_TIMEOUT."""
+        await self.server.stop()
+
+
+def _tls_context(cert: str, key: str) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise RuntimeError(
+            f"cannot load 'api.tls_cert' {cert} with 'api.tls_key' {key}: "
+            f"{getattr(exc, 'strerror', None) or exc}"
+        ) from None
+    return context
+
+
+def _shown(listen: object, port: int) -> str:
+    host = getattr(listen, "host", "")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,210 @@
+"""The HTTP API of the real `pigeon-mta serve` (two worker processes sharing `[api] listen`): a
+message sent over HTTP is delivered to a sink and `pigeon-mta log` tells its story; an
+Idempotency-Key repeated five times queues and delivers it once; README's Python example works.
+
+aiohttp client ──HTTP──► [api] listen 127.0.0.1:port ── pigeon-mta serve (2 workers) ── PostgreSQL
+pigeon-mta apikey add / log                                │ [delivery] relayhost
+                                                 aiosmtpd sink 127.0.0.2:port
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import asyncpg
+
+from tests.conftest import REPO, free_port, run_pigeon
+from tests.e2e.serve_process import ServeProcess, write_config
+from tests.peers.smtp_sink import SinkState, start_sink, stop_servers
+
+README = REPO / "README.md"
+
+
+def readme_example(marker: str) -> str:
+    """README's ```python block that contains `marker`."""
+    blocks = re.findall(r"^```python\n(.*?)^```$", README.read_text(), re.M | re.S)
+    found = [block for block in blocks if marker in block]
+    assert len(found) == 1, f"README has {len(found)} python blocks with {marker!r}"
+    return str(found[0])
+
+
+def pigeon(db_url: str, *args: str) -> str:
+    result = run_pigeon(*args, env={"PIGEON_DATABASE_URL": db_url})
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+async def send(
+    session: aiohttp.ClientSession, url: str, key: str, body: dict[str, Any], **headers: str
+) -> tuple[int, bytes]:
+    sent = {"Authorization": f"Bearer {key}", **headers}
+    async with session.post(url + "/v1/messages", json=body, headers=sent) as answer:
+        return answer.status, await answer.read()
+
+
+async def settled(pool: asyncpg.Pool) -> bool:
+    live = await pool.fetchval(
+        "SELECT count(*) FROM recipient WHERE status IN ('queued', 'delivering')"
+    )
+    return live == 0
+
+
+async def test_a_message_sent_over_http_is_delivered_and_logged_and_repeats_are_sent_once(
+    tmp_path: Path, db_url: str, pool: asyncpg.Pool
+) -> None:
+    state = SinkState()
+    sink = await start_sink(state, "127.0.0.2", 0)
+    sink_port = sink.sockets[0].getsockname()[1]
+    api_port = free_port()
+    pigeon(db_url, "org", "add", "acme")
+    pigeon(db_url, "domain", "add", "acme", "acme.example")
+    added = json.loads(pigeon(db_url, "apikey", "add", "acme", "--name", "shop", "--json"))
+    key = added["key"]
+    config = write_config(
+        tmp_path,
+        f"""listener = []
+[server]
+hostname = "mta.test"
+data_dir = "{tmp_path}"
+node_name = "e2e-api"
+shutdown_timeout = "5s"
+[database]
+url = "{db_url}"
+pool_size = 4
+[api]
+listen = "127.0.0.1:{api_port}"
+[metrics]
+listen = "127.0.0.1:{free_port()}"
+[delivery]
+relayhost = "127.0.0.2:{sink_port}"
+poll_interval = "250ms"
+[log]
+delivery_log = "{tmp_path}/delivery.log"
+""",
+    )
+    serve = ServeProcess("--config", str(config), "--processes", "2")
+    url = f"http://127.0.0.1:{api_port}"
+    try:
+        for worker in (0, 1):
+            await asyncio.to_thread(serve.wait_for, f"worker {worker} ready")
+        assert serve.output.count(f"HTTP API on http://127.0.0.1:{api_port}") == 2
+
+        async with aiohttp.ClientSession() as session:
+            status, body = await send(
+                session,
+                url,
+                key,
+                {
+                    "from": "Shop <shop@acme.example>",
+                    "to": ["ann@sink.test", "bob@sink.test"],
+                    "subject": "Your order",
+                    "text": "Thank you for your order.",
+                    "html": "<p>Thank you for your order.</p>",
+                },
+            )
+            assert status == 202, body
+            answer = json.loads(body)
+            queue_id = answer["queue_id"]
+            await state.wait_for(lambda: len(state.messages) == 1)
+            delivered = state.messages[0]
+            assert sorted(delivered.rcpt_tos) == ["ann@sink.test", "bob@sink.test"]
+            assert delivered.mail_from == "shop@acme.example"
+            head = delivered.data.split(b"\r\n\r\n", 1)[0].decode()
+            assert f"with API key {added['id']} id {queue_id};" in head
+            assert f"Message-ID: <{answer['message_id']}>" in head
+            assert "Subject: Your order" in head and "multipart/alternative" in head
+
+            # Five repeats of one request with one Idempotency-Key, on new connections (spread
+            # over both worker processes): five identical answers, one message.
+            order = {"from": "shop@acme.example", "to": "cat@sink.test", "text": "once"}
+            answers = []
+            for _ in range(5):
+                async with aiohttp.ClientSession() as fresh:
+                    answers.append(await send(fresh, url, key, order, **{"Idempotency-Key": "o-7"}))
+            assert len(set(answers)) == 1 and answers[0][0] == 202
+            status, body = await send(
+                session, url, key, {**order, "text": "twice"}, **{"Idempotency-Key": "o-7"}
+            )
+            assert status == 422, body
+
+        await state.wait_for(lambda: len(state.messages) == 2)
+        for _ in range(300):  # bounded: the queue settles within a minute
+            if await settled(pool):
+                break
+            await asyncio.sleep(0.2)
+        assert await settled(pool)
+        assert state.deliveries() == {"ann@sink.test": 1, "bob@sink.test": 1, "cat@sink.test": 1}
+        assert await pool.fetchval("SELECT count(*) FROM message") == 2
+
+        # README's Python example, with this node's port and the test's domains.
+        readme = readme_example("PIGEON_API_KEY")
+        for placeholder, value in (
+            ("127.0.0.1:8025", f"127.0.0.1:{api_port}"),
+            ("shop@example.com", "shop@acme.example"),
+            ("ann@example.net", "dan@sink.test"),
+        ):
+            assert placeholder in readme
+            readme = readme.replace(placeholder, value)
+        example = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-c", readme],
+            env={**os.environ, "PIGEON_API_KEY": key},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert example.returncode == 0, example.stderr
+        example_id = uuid.UUID(example.stdout.strip())
+        assert await pool.fetchval("SELECT sender FROM message WHERE id = $1", example_id) == (
+            "shop@acme.example"
+        )
+
+        story = run_pigeon("log", queue_id, "--json", env={"PIGEON_DATABASE_URL": db_url})
+        assert story.returncode == 0, story.stderr
+        events = [json.loads(line) for line in story.stdout.splitlines() if line.strip()]
+        assert {e["queue_id"] for e in events} == {queue_id}
+        kinds = sorted((e["type"], e.get("recipient") or "") for e in events)
+        assert ("Delivery", "ann@sink.test") in kinds and ("Delivery", "bob@sink.test") in kinds
+        assert any(kind == "Reception" for kind, _r in kinds)
+        assert f"queued {queue_id} listener=api" in serve.output
+        assert f"user=apikey:{added['id']}" in serve.output
+        records = (tmp_path / "delivery.log").read_text()
+        assert queue_id in records and '"Reception"' in records
+        assert serve.stop(signal.SIGTERM) == 0, serve.output
+        assert "Traceback" not in serve.output
+    finally:
+        serve.kill()
+        await stop_servers([sink])
+
+
+def test_serve_exits_non_zero_when_the_api_cannot_bind(tmp_path: Path, db_url: str) -> None:
+    """Another program holds the API's port: serve says so and exits 1 (systemd restarts it)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = write_config(
+            tmp_path,
+            f'listener = []\n[server]\nnode_name = "api-bind"\ndata_dir = "{tmp_path}"\n'
+            f'[database]\nurl = "{db_url}"\n[api]\nlisten = "127.0.0.1:{port}"\n'
+            f'[metrics]\nlisten = "127.0.0.1:{free_port()}"\n',
+        )
+        serve = ServeProcess("--config", str(config), "--processes", "1")
+        try:
+            code = serve.proc.wait(60)
+        finally:
+            serve.kill()
+    assert code == 1, serve.output
+    assert f"the HTTP API cannot bind 'api.listen' 127.0.0.1:{port}" in serve.output
+    assert "Traceback" not in serve.output

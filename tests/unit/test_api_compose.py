@@ -1,0 +1,88 @@
+"""What a send request becomes (api/compose.py): pure, on bytes."""
+
+from __future__ import annotations
+
+import base64
+import email
+import email.policy
+import json
+from typing import Any
+
+import pytest
+
+from pigeon_mta.api.compose import from_json, from_raw
+from pigeon_mta.api.problems import Problem
+from pigeon_mta.config import LimitsSettings
+
+LIMITS = LimitsSettings()
+
+
+def build(**request: Any) -> tuple[tuple[str, ...], email.message.EmailMessage]:
+    submission = from_json(json.dumps(request).encode(), LIMITS)
+    parsed = email.message_from_bytes(submission.data, policy=email.policy.default)
+    assert isinstance(parsed, email.message.EmailMessage)
+    return submission.recipients, parsed
+
+
+def test_non_ascii_names_and_subject_are_encoded_and_the_text_kept() -> None:
+    recipients, message = build(
+        **{"from": "Jürgen Ölmann <j@acme.example>"},
+        to="Zoë <zoe@dest.example>",
+        subject="Grüße — your order",
+        text="Danke schön\n",
+    )
+    assert recipients == ("zoe@dest.example",)
+    assert message["From"] == "Jürgen Ölmann <j@acme.example>"
+    assert message["Subject"] == "Grüße — your order"
+    # The SMTP policy writes the text with CRLF line ends.
+    assert message.get_content() == "Danke schön\r\n"
+    # Header and body as queued fit 7-bit transport.
+    assert message.as_bytes(policy=email.policy.SMTP).isascii()
+
+
+def test_text_html_and_attachments_make_one_mime_tree() -> None:
+    pdf = b"%PDF-1.4 fake"
+    _recipients, message = build(
+        **{"from": "j@acme.example"},
+        to="a@dest.example",
+        text="plain",
+        html="<p>rich</p>",
+        attachments=[
+            {
+                "filename": "bill.pdf",
+                "content_type": "application/pdf",
+                "content": base64.b64encode(pdf).decode(),
+            }
+        ],
+    )
+    assert message.get_content_type() == "multipart/mixed"
+    body = message.get_body(("html", "plain"))
+    assert body is not None and body.get_content() == "<p>rich</p>\r\n"
+    (attachment,) = list(message.iter_attachments())
+    assert attachment.get_filename() == "bill.pdf"
+    assert attachment.get_content_type() == "application/pdf"
+    assert attachment.get_content() == pdf
+
+
+def test_recipients_are_to_cc_and_bcc_once_each_and_bcc_stays_out_of_the_header() -> None:
+    recipients, message = build(
+        **{"from": "j@acme.example"},
+        to=["a@dest.example", "b@DEST.example"],
+        cc="b@dest.example",
+        bcc=["hidden@dest.example"],
+        text="x",
+    )
+    assert recipients == ("a@dest.example", "b@dest.example", "hidden@dest.example")
+    assert message["Bcc"] is None and b"hidden" not in message.as_bytes()
+
+
+def test_a_raw_message_is_made_crlf_and_its_long_lines_folded() -> None:
+    raw = b"From: j@acme.example\nSubject: s\n\n" + b"x" * 1200 + b"\n"
+    submission = from_raw(raw, ["j@acme.example"], ["a@dest.example"], LIMITS)
+    lines = submission.data.split(b"\r\n")
+    assert b"\n" not in submission.data.replace(b"\r\n", b"")
+    assert max(len(line) for line in lines) <= 998
+    refusing = LimitsSettings(long_lines="refuse")
+    with pytest.raises(Problem) as info:
+        from_raw(raw, ["j@acme.example"], ["a@dest.example"], refusing)
+    assert info.value.kind.slug == "invalid-message"
