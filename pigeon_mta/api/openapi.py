@@ -432,7 +432,12 @@ def _list_operation() -> dict[str, Any]:
         "summary": "The org's messages, newest first, a page at a time",
         "security": [{"apiKey": []}],
         "parameters": [
-            _query("recipient", {"type": "string"}, "only messages to this address"),
+            _query(
+                "recipient",
+                {"type": "string"},
+                "only messages to this address: as it was sent, or in lower case (the "
+                "spellings `pigeon-mta log ADDRESS` looks for)",
+            ),
             _query("message_id", {"type": "string"}, "only messages with this Message-ID"),
             _query(
                 "status",

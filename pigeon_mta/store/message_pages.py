@@ -75,13 +75,8 @@ async def list_messages(
 ) -> list[ListedMessage]:
     """The org's messages that match `filters` and sort below `after`, newest first, at most
     `limit`."""
-    arg = _Arguments()
-    org = arg(org_id)
-    if filters.addresses:
-        sql = _to_address(arg, org, filters, after, limit)
-    else:
-        sql = _of_org(arg, org, filters, after, limit)
-    rows = await db.fetch(sql, *arg.values)
+    sql, arguments = listing_statement(org_id, filters, after=after, limit=limit)
+    rows = await db.fetch(sql, *arguments)
     return [
         ListedMessage(
             queue_id=r["id"],
@@ -91,6 +86,17 @@ async def list_messages(
         )
         for r in rows
     ]
+
+
+def listing_statement(
+    org_id: uuid.UUID, filters: Filters, *, after: Position | None, limit: int
+) -> tuple[str, list[Any]]:
+    """The statement of list_messages and its arguments (the plan tests EXPLAIN it)."""
+    arg = _Arguments()
+    org = arg(org_id)
+    if filters.addresses:
+        return _to_address(arg, org, filters, after, limit), arg.values
+    return _of_org(arg, org, filters, after, limit), arg.values
 
 
 def _of_org(arg: _Arguments, org: str, filters: Filters, after: Position | None, limit: int) -> str:
