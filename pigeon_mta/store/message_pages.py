@@ -7,8 +7,12 @@ Mail accepted later sorts above it, so paging reads every message that existed w
 exactly once, however much mail arrives meanwhile.
 
 Each filter picks the index that serves it, and every statement stops after a page:
-- none, `since`, `status`: message_org_received (org_id, received_at), read backwards; a status is
-  checked per message through recipient_message.
+- none, `since`, a live or delivered `status`: message_org_received (org_id, received_at), read
+  backwards; a status is checked per message through recipient_message (such recipients are the
+  newest or the most).
+- a failed `status` (FAILED): recipient_failed (org_id, status, created_at, message_id), a
+  partial index of those rows alone, read backwards: they may be rare, and a walk of the org's
+  messages to find a page of them could read its whole history.
 - `header_id`: message_header_id.
 - `addresses` (the spellings of one recipient address): recipient_address (address,
   created_at), read backwards per spelling; a recipient row's created_at is its message's
@@ -28,6 +32,9 @@ from pigeon_mta.store.executor import Executor
 
 # The per-recipient states of the recipient table.
 STATUSES = ("queued", "delivering", "delivered", "bounced", "expired", "cancelled", "suppressed")
+# The final states that are not a delivery: recipient_failed's predicate (migration 0022).
+FAILED = ("bounced", "expired", "cancelled", "suppressed")
+_IN_FAILED = f"r.status IN ({', '.join(repr(s) for s in FAILED)})"
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,8 @@ def listing_statement(
     org = arg(org_id)
     if filters.addresses:
         return _to_address(arg, org, filters, after, limit), arg.values
+    if filters.status in FAILED and filters.header_id is None:
+        return _failed(arg, org, filters, after, limit), arg.values
     return _of_org(arg, org, filters, after, limit), arg.values
 
 
@@ -119,12 +128,36 @@ ORDER BY m.received_at DESC, m.id DESC LIMIT {arg(limit)}
 """
 
 
+def _failed(arg: _Arguments, org: str, filters: Filters, after: Position | None, limit: int) -> str:
+    # The IN list repeats the index predicate, so that a generic plan (status as a parameter)
+    # can use the partial index too. DISTINCT: a message may have several such recipients; the
+    # index is in (created_at, message_id) order, so the distinct ones come out streamed.
+    where = [f"r.org_id = {org}", f"r.status = {arg(filters.status)}", _IN_FAILED]
+    if filters.since is not None:
+        where.append(f"r.created_at >= {arg(filters.since)}")
+    if after is not None:
+        where.append(
+            f"(r.created_at, r.message_id) < ({arg(after.received_at)}, {arg(after.queue_id)})"
+        )
+    return f"""
+SELECT m.id, m.header_message_id, m.received_at, m.lane
+FROM (SELECT DISTINCT r.created_at, r.message_id FROM recipient r
+      WHERE {" AND ".join(where)}
+      ORDER BY r.created_at DESC, r.message_id DESC LIMIT {arg(limit)}) hit
+JOIN message m ON m.id = hit.message_id
+ORDER BY m.received_at DESC, m.id DESC
+"""
+
+
 def _to_address(
     arg: _Arguments, org: str, filters: Filters, after: Position | None, limit: int
 ) -> str:
     # The newest `limit` below `after` of each spelling, then the newest `limit` of those (as
     # store/events.py finds an address's messages): "address = ANY (spellings)" has no single
-    # index order, and PostgreSQL would read the address's whole history to sort it.
+    # index order, and PostgreSQL would read the address's whole history to sort it. Each
+    # spelling is read in the index's own order, created_at, WITH TIES: ordered by
+    # (created_at, message_id) PostgreSQL sorted the address's whole history; the ties keep
+    # every message of the last instant, which the outer order then sorts by id.
     spellings = arg(list(filters.addresses))
     where = ["r.address = spelling.address", f"r.org_id = {org}"]
     if filters.since is not None:
@@ -146,7 +179,7 @@ SELECT DISTINCT m.id, m.header_message_id, m.received_at, m.lane
 FROM unnest({spellings}::text[]) AS spelling (address)
 CROSS JOIN LATERAL (SELECT r.message_id FROM recipient r
                     WHERE {" AND ".join(where)}
-                    ORDER BY r.created_at DESC, r.message_id DESC LIMIT {count}) hit
+                    ORDER BY r.created_at DESC FETCH FIRST {count} ROWS WITH TIES) hit
 JOIN message m ON m.id = hit.message_id
 ORDER BY m.received_at DESC, m.id DESC LIMIT {count}
 """
