@@ -180,3 +180,22 @@ async def test_a_bad_parameter_is_400_naming_it(
     status, headers, body = await call(api, "/v1/messages", params=params)
     assert_problem(status, headers, body, 400, "invalid-parameter")
     assert f"'{named}'" in body["detail"]
+
+
+async def test_pages_of_a_failed_status_hold_each_message_once(
+    api: Api, pool: asyncpg.Pool
+) -> None:
+    """Messages with several bounced recipients, read through the index of failed recipients:
+    one entry per message, and no page ends early."""
+    sent = [(await send(api, ["a@dest.example", "b@dest.example"]))["queue_id"] for _ in range(7)]
+    await pool.execute("UPDATE recipient SET status = 'bounced'")
+    seen: list[str] = []
+    params = {"status": "bounced", "limit": "3"}
+    for _page in range(10):  # bounded: 7 messages in pages of 3
+        status, _headers, page = await call(api, "/v1/messages", params=params)
+        assert status == 200, page
+        seen.extend(m["queue_id"] for m in page["messages"])
+        if page["next_cursor"] is None:
+            break
+        params["cursor"] = page["next_cursor"]
+    assert seen == sent[::-1]
