@@ -400,6 +400,11 @@ class ApiSettings:
     # speaks plain HTTP: keep it on loopback, or behind a proxy that adds TLS.
     tls_cert: str = ""
     tls_key: str = ""
+    # A client must send a request's line and header fields within this long of connecting (or of
+    # the previous answer on a kept-alive connection), and then its body within this long: one
+    # that trickles bytes (slowloris) is cut off instead of holding a connection for ever. An idle
+    # kept-alive connection is closed after it too.
+    read_timeout: Duration = Duration(30)
 
 
 @dataclass(frozen=True)

@@ -301,6 +301,7 @@ def _check_names(server: ServerSettings) -> None:
 # Durations for which zero makes no sense: a loop that waits this long between rounds would spin
 # (stats_interval = 0 kept a core busy), and a zero timeout fails every operation at once.
 _MORE_THAN_ZERO = (
+    "api.read_timeout",
     "database.connect_timeout",
     "database.statement_timeout",
     "delivery.max_age",

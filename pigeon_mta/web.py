@@ -28,8 +28,13 @@ class WebServer:
         *,
         reuse_port: bool = False,
         ssl_context: ssl.SSLContext | None = None,
+        keepalive_timeout: float = KEEPALIVE_TIMEOUT,
     ) -> None:
+        """`keepalive_timeout` also bounds the wait for a request's line and header fields:
+        aiohttp arms it when a connection opens and after each answer, and closes a connection
+        still waiting for a whole request head when it runs out, however many bytes came."""
         self.app = app
+        self.keepalive_timeout = keepalive_timeout
         self.listen = listen
         self.reuse_port = reuse_port
         self.ssl_context = ssl_context
@@ -42,7 +47,7 @@ class WebServer:
         runner = web.AppRunner(
             self.app,
             access_log=None,
-            keepalive_timeout=KEEPALIVE_TIMEOUT,
+            keepalive_timeout=self.keepalive_timeout,
             shutdown_timeout=SHUTDOWN_TIMEOUT,
         )
         await runner.setup()

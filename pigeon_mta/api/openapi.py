@@ -10,8 +10,11 @@ import functools
 from typing import Any
 
 from pigeon_mta import __version__
-from pigeon_mta.api import problems
+from pigeon_mta.api import problems, reading, suppressions
 from pigeon_mta.api.compose import ATTACHMENT_FIELDS, JSON_FIELDS
+from pigeon_mta.model import EVENT_TYPE, Outcome
+from pigeon_mta.store import message_pages
+from pigeon_mta.store import suppression as store_suppression
 
 _ADDRESS = {"type": "string", "description": "addr@example.com or Name <addr@example.com>"}
 _ADDRESSES = {"oneOf": [_ADDRESS, {"type": "array", "items": _ADDRESS}]}
@@ -144,6 +147,7 @@ def _send_operation() -> dict[str, Any]:
             "400": _problem("malformed JSON or message"),
             "401": _problem("a missing, wrong or revoked API key"),
             "403": _problem("a sender address the org does not own"),
+            "408": _problem("the body did not arrive within api.read_timeout"),
             "413": _problem("over limits.max_message_size"),
             "415": _problem("neither application/json nor message/rfc822"),
             "422": _problem("a bad field, address, header or lane; a reused Idempotency-Key"),
@@ -153,11 +157,325 @@ def _send_operation() -> dict[str, Any]:
     }
 
 
+_TIME = {"type": "string", "format": "date-time"}
+_NULLABLE_TIME = {"type": ["string", "null"], "format": "date-time"}
+
+_RECIPIENT_STATE: dict[str, Any] = {
+    "type": "object",
+    "description": "a recipient's state and last reply (what `pigeon-mta log` calls Now)",
+    "required": ["id", "address", "status", "attempts"],
+    "properties": {
+        "id": {"type": "string", "format": "uuid"},
+        "address": {"type": "string"},
+        "status": {"type": "string", "enum": list(message_pages.STATUSES)},
+        "attempts": {"type": "integer"},
+        "next_attempt_at": {**_NULLABLE_TIME, "description": "when queued: the next attempt"},
+        "code": {"type": ["integer", "null"]},
+        "enhanced_code": {"type": ["string", "null"]},
+        "response": {"type": ["string", "null"]},
+        "updated_at": _TIME,
+    },
+}
+
+_EVENT: dict[str, Any] = {
+    "type": "object",
+    "description": "a delivery log record, as `pigeon-mta log QUEUE_ID --json` prints it",
+    "required": ["type", "timestamp", "queue_id", "recipient"],
+    "properties": {
+        "type": {
+            "type": "string",
+            "enum": [
+                "Reception",
+                "Duplicate",
+                *(EVENT_TYPE[outcome] for outcome in Outcome),
+            ],
+        },
+        "timestamp": _TIME,
+        "queue_id": {"type": "string", "format": "uuid"},
+        "message_id": {"type": ["string", "null"]},
+        "org": {"type": "string", "format": "uuid"},
+        "sender": {"type": "string"},
+        "recipient": {"type": "string"},
+        "mx": {"type": ["string", "null"]},
+        "ip": {"type": ["string", "null"]},
+        "code": {"type": ["integer", "null"]},
+        "enhanced_code": {"type": ["string", "null"]},
+        "response": {"type": ["string", "null"]},
+        "tls": {"type": ["object", "null"]},
+        "attempt": {"type": ["integer", "null"]},
+    },
+}
+
+_TIMELINE: dict[str, Any] = {
+    "type": "object",
+    "required": ["queue_id", "message_id", "received_at", "lane", "recipients", "events"],
+    "properties": {
+        "queue_id": {"type": "string", "format": "uuid"},
+        "message_id": {"type": ["string", "null"], "description": "the Message-ID header value"},
+        "sender": {"type": "string", "description": "the envelope sender; '' is the null sender"},
+        "received_at": _TIME,
+        "lane": {"type": "string"},
+        "size": {"type": "integer"},
+        "recipients": {"type": "array", "items": {"$ref": "#/components/schemas/RecipientState"}},
+        "events": {
+            "type": "array",
+            "items": {"$ref": "#/components/schemas/Event"},
+            "description": "Receptions, then attempts and duplicates in time order",
+        },
+    },
+}
+
+_MESSAGE_PAGE: dict[str, Any] = {
+    "type": "object",
+    "required": ["messages", "next_cursor"],
+    "properties": {
+        "messages": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["queue_id", "message_id", "received_at", "lane", "recipients"],
+                "properties": {
+                    "queue_id": {"type": "string", "format": "uuid"},
+                    "message_id": {"type": ["string", "null"]},
+                    "received_at": _TIME,
+                    "lane": {"type": "string"},
+                    "recipients": {
+                        "type": "array",
+                        "items": {"$ref": "#/components/schemas/RecipientState"},
+                    },
+                },
+            },
+        },
+        "next_cursor": {
+            "type": ["string", "null"],
+            "description": "pass as `cursor` for the next page; null on the last page",
+        },
+    },
+}
+
+_SUPPRESSION: dict[str, Any] = {
+    "type": "object",
+    "required": ["address", "reason", "source", "created_at", "expires_at"],
+    "properties": {
+        "address": {"type": "string", "description": "lower case"},
+        "reason": {"type": "string"},
+        "source": {"type": "string", "enum": [store_suppression.MANUAL, store_suppression.BOUNCE]},
+        "created_at": _TIME,
+        "expires_at": _NULLABLE_TIME,
+    },
+}
+
+_NEW_SUPPRESSION: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["address", "reason"],
+    "properties": {
+        "address": {"type": "string"},
+        "reason": {"type": "string", "description": "one line"},
+        "expires_at": {**_TIME, "description": "in the future; none: until removed"},
+    },
+}
+
+
+def _json(schema: str, description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
+    }
+
+
+def _query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "in": "query",
+        "required": False,
+        "schema": schema,
+        "description": description,
+    }
+
+
+_READ_PROBLEMS = {
+    "401": _problem("a missing, wrong or revoked API key"),
+    "503": _problem("the database is unavailable", retry_after=True),
+}
+
+_ADDRESS_IN_PATH = {
+    "name": "address",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string"},
+    "description": "the suppressed address (any case)",
+}
+
+
+def _reading_paths() -> dict[str, Any]:
+    page = _query("cursor", {"type": "string"}, "the `next_cursor` of the previous page (opaque)")
+    return {
+        "/v1/messages/{queue_id}": {
+            "get": {
+                "operationId": "getMessage",
+                "summary": "A message's state and timeline: the facts of `pigeon-mta log --json`",
+                "security": [{"apiKey": []}],
+                "parameters": [
+                    {
+                        "name": "queue_id",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"type": "string"},
+                        "description": "the queue_id of the 202 answer (a UUID)",
+                    }
+                ],
+                "responses": {
+                    "200": _json("Timeline", "the message"),
+                    "401": _READ_PROBLEMS["401"],
+                    "404": _problem(
+                        "no message of the key's org has this queue id: an unknown id, another "
+                        "org's, and a text that is no UUID at all are answered alike, since each "
+                        "names no message the key may read"
+                    ),
+                    "503": _READ_PROBLEMS["503"],
+                },
+            }
+        },
+        "/v1/suppressions": {
+            "get": {
+                "operationId": "listSuppressions",
+                "summary": "The org's active suppression entries, in address order",
+                "security": [{"apiKey": []}],
+                "parameters": [
+                    _query(
+                        "limit",
+                        {"type": "integer", "minimum": 1, "maximum": suppressions.MAX_LIMIT},
+                        f"at most this many (default {suppressions.DEFAULT_LIMIT})",
+                    ),
+                    page,
+                ],
+                "responses": {
+                    "200": {
+                        "description": "a page",
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["suppressions", "next_cursor"],
+                                    "properties": {
+                                        "suppressions": {
+                                            "type": "array",
+                                            "items": {"$ref": "#/components/schemas/Suppression"},
+                                        },
+                                        "next_cursor": {"type": ["string", "null"]},
+                                    },
+                                }
+                            }
+                        },
+                    },
+                    "400": _problem("a malformed or unknown query parameter"),
+                    **_READ_PROBLEMS,
+                },
+            },
+            "post": {
+                "operationId": "addSuppression",
+                "summary": "Stop mail to an address (as `pigeon-mta suppress add`)",
+                "security": [{"apiKey": []}],
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {"$ref": "#/components/schemas/NewSuppression"}
+                        }
+                    },
+                },
+                "responses": {
+                    "200": _json("Suppression", "the address was on the list: entry replaced"),
+                    "201": _json("Suppression", "the address is on the list"),
+                    "400": _problem("malformed JSON"),
+                    "401": _READ_PROBLEMS["401"],
+                    "408": _problem("the body did not arrive within api.read_timeout"),
+                    "415": _problem("not application/json"),
+                    "422": _problem("a missing or wrong field, or a bad address"),
+                    "503": _READ_PROBLEMS["503"],
+                },
+            },
+        },
+        "/v1/suppressions/{address}": {
+            "get": {
+                "operationId": "getSuppression",
+                "summary": "The org's active entry for an address",
+                "security": [{"apiKey": []}],
+                "parameters": [_ADDRESS_IN_PATH],
+                "responses": {
+                    "200": _json("Suppression", "the entry"),
+                    "401": _READ_PROBLEMS["401"],
+                    "404": _problem("the address is not on the org's list"),
+                    "503": _READ_PROBLEMS["503"],
+                },
+            },
+            "delete": {
+                "operationId": "removeSuppression",
+                "summary": "Allow mail to an address again (as `pigeon-mta suppress remove`)",
+                "security": [{"apiKey": []}],
+                "parameters": [_ADDRESS_IN_PATH],
+                "responses": {
+                    "204": {"description": "removed"},
+                    "401": _READ_PROBLEMS["401"],
+                    "404": _problem("the address is not on the org's list"),
+                    "503": _READ_PROBLEMS["503"],
+                },
+            },
+        },
+    }
+
+
+def _list_operation() -> dict[str, Any]:
+    return {
+        "operationId": "listMessages",
+        "summary": "The org's messages, newest first, a page at a time",
+        "security": [{"apiKey": []}],
+        "parameters": [
+            _query(
+                "recipient",
+                {"type": "string"},
+                "only messages to this address: as it was sent, or in lower case (the "
+                "spellings `pigeon-mta log ADDRESS` looks for)",
+            ),
+            _query("message_id", {"type": "string"}, "only messages with this Message-ID"),
+            _query(
+                "status",
+                {"type": "string", "enum": list(message_pages.STATUSES)},
+                "only messages with a recipient in this state (with `recipient`: that one's)",
+            ),
+            _query(
+                "since",
+                {"type": "string", "format": "date-time"},
+                "only messages received at or after this time (UTC unless an offset is given; "
+                "write '+' as %2B)",
+            ),
+            _query(
+                "limit",
+                {"type": "integer", "minimum": 1, "maximum": reading.MAX_LIMIT},
+                f"at most this many (default {reading.DEFAULT_LIMIT})",
+            ),
+            _query(
+                "cursor",
+                {"type": "string"},
+                "the `next_cursor` of the previous page (opaque); mail that arrives while "
+                "paging sorts before the first page, so no message is shown twice or skipped",
+            ),
+        ],
+        "responses": {
+            "200": _json("MessagePage", "a page"),
+            "400": _problem("a malformed or unknown query parameter (the detail names it)"),
+            **_READ_PROBLEMS,
+        },
+    }
+
+
 @functools.cache
 def openapi_document() -> dict[str, Any]:
     assert set(_JSON_MESSAGE["properties"]) == JSON_FIELDS
     attachment = _JSON_MESSAGE["properties"]["attachments"]["items"]["properties"]
     assert set(attachment) == ATTACHMENT_FIELDS
+    assert set(_NEW_SUPPRESSION["properties"]) == suppressions.FIELDS
     return {
         "openapi": "3.1.0",
         "info": {
@@ -167,7 +485,8 @@ def openapi_document() -> dict[str, Any]:
             "(pigeon-mta apikey add ORG).",
         },
         "paths": {
-            "/v1/messages": {"post": _send_operation()},
+            "/v1/messages": {"post": _send_operation(), "get": _list_operation()},
+            **_reading_paths(),
             "/v1/openapi.json": {
                 "get": {
                     "operationId": "openapi",
@@ -184,6 +503,16 @@ def openapi_document() -> dict[str, Any]:
         },
         "components": {
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}},
-            "schemas": {"Message": _JSON_MESSAGE, "Accepted": _ACCEPTED, "Problem": _PROBLEM},
+            "schemas": {
+                "Message": _JSON_MESSAGE,
+                "Accepted": _ACCEPTED,
+                "Problem": _PROBLEM,
+                "RecipientState": _RECIPIENT_STATE,
+                "Event": _EVENT,
+                "Timeline": _TIMELINE,
+                "MessagePage": _MESSAGE_PAGE,
+                "Suppression": _SUPPRESSION,
+                "NewSuppression": _NEW_SUPPRESSION,
+            },
         },
     }

@@ -32,10 +32,14 @@ INVALID_JSON = ProblemType("invalid-json", 400, "The request body is not valid J
 INVALID_MESSAGE = ProblemType(
     "invalid-message", 400, "The message is not a readable RFC 5322 message"
 )
+INVALID_PARAMETER = ProblemType(
+    "invalid-parameter", 400, "A query parameter is malformed or unknown"
+)
 UNAUTHORIZED = ProblemType("unauthorized", 401, "A valid API key is needed")
 SENDER_NOT_OWNED = ProblemType("sender-not-owned", 403, "The org may not send as this address")
 NOT_FOUND = ProblemType("not-found", 404, "There is nothing here")
 METHOD_NOT_ALLOWED = ProblemType("method-not-allowed", 405, "This method is not allowed here")
+REQUEST_TIMEOUT = ProblemType("request-timeout", 408, "The request was not received in time")
 TOO_LARGE = ProblemType("too-large", 413, "The message is over limits.max_message_size")
 UNSUPPORTED_MEDIA_TYPE = ProblemType(
     "unsupported-media-type", 415, "Send application/json or message/rfc822"
@@ -59,10 +63,12 @@ DATABASE_UNAVAILABLE = ProblemType(
 ALL = (
     INVALID_JSON,
     INVALID_MESSAGE,
+    INVALID_PARAMETER,
     UNAUTHORIZED,
     SENDER_NOT_OWNED,
     NOT_FOUND,
     METHOD_NOT_ALLOWED,
+    REQUEST_TIMEOUT,
     TOO_LARGE,
     UNSUPPORTED_MEDIA_TYPE,
     INVALID_FIELD,

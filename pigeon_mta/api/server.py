@@ -15,11 +15,14 @@ from collections.abc import Awaitable, Callable
 
 import asyncpg
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from pigeon_mta.api import problems
 from pigeon_mta.api.openapi import openapi_document
 from pigeon_mta.api.problems import Problem
+from pigeon_mta.api.reading import MessageReader
 from pigeon_mta.api.send import SendHandler
+from pigeon_mta.api.suppressions import SuppressionHandler
 from pigeon_mta.config import Settings
 from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.store.group_commit import GroupCommit
@@ -44,12 +47,53 @@ def build_app(
     size = settings.limits.max_message_size
     app = web.Application(
         client_max_size=size * 2 + _BODY_SLACK if size else _NO_LIMIT_BODY,
-        middlewares=[_problems],
+        middlewares=[_problems, _body_within(settings.api.read_timeout)],
     )
     send = SendHandler(settings, pool, group_commit, delivery_log=delivery_log)
+    messages = MessageReader(pool)
+    suppressions = SuppressionHandler(pool)
     app.router.add_post("/v1/messages", send.post)
+    app.router.add_get("/v1/messages", messages.list)
+    app.router.add_get("/v1/messages/{queue_id}", messages.get)
+    app.router.add_get("/v1/suppressions", suppressions.list)
+    app.router.add_post("/v1/suppressions", suppressions.post)
+    app.router.add_get("/v1/suppressions/{address}", suppressions.get)
+    app.router.add_delete("/v1/suppressions/{address}", suppressions.delete)
     app.router.add_get("/v1/openapi.json", _openapi)
     return app
+
+
+def _body_within(read_timeout: float) -> Middleware:
+    """A middleware that reads a request's body, which aiohttp reads with no deadline, within
+    `read_timeout` of its head (the head's own bound is the server's keep-alive timeout, see
+    web.py). A client that trickles its body is answered 408 and cut off at once, not given the
+    lingering read aiohttp grants a body left unread. The body read here is the one the handler's
+    `request.read()` returns."""
+
+    @web.middleware
+    async def body_within(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.body_exists:
+            try:
+                async with asyncio.timeout(read_timeout):
+                    await request.read()
+            except TimeoutError:
+                log.info(
+                    "API request from [%s] cut off: its body took over %g s",
+                    request.remote,
+                    read_timeout,
+                )
+                response = Problem(
+                    problems.REQUEST_TIMEOUT,
+                    f"The request body did not arrive within {read_timeout:g} seconds.",
+                ).response()
+                response.force_close()
+                await response.prepare(request)
+                await response.write_eof()
+                request.protocol.force_close()
+                return response
+        return await handler(request)
+
+    return body_within
 
 
 async def _openapi(_request: web.Request) -> web.Response:
@@ -98,7 +142,12 @@ class ApiService:
     ) -> None:
         self.settings = settings
         app = build_app(settings, pool, group_commit, delivery_log=delivery_log)
-        self.server = WebServer(app, settings.api.listen, reuse_port=True)
+        self.server = WebServer(
+            app,
+            settings.api.listen,
+            reuse_port=True,
+            keepalive_timeout=settings.api.read_timeout,
+        )
 
     async def start(self) -> None:
         api = self.settings.api

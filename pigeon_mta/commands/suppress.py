@@ -115,8 +115,7 @@ async def org_named(conn: asyncpg.Connection, name: str) -> uuid.UUID:
 
 def checked_address(text: str) -> str:
     address = store_suppression.normalise_address(text)
-    local, at, domain = address.rpartition("@")
-    if not at or not local or not domain or any(c.isspace() for c in address):
+    if not store_suppression.looks_like_address(address):
         raise CliError(f"'{text}' is not an email address")
     return address
 

@@ -224,12 +224,17 @@ def _attempt(row: asyncpg.Record) -> AttemptRecord:
     )
 
 
+async def recipients_of(db: Executor, message_ids: Sequence[uuid.UUID]) -> list[RecipientRecord]:
+    """The recipients of these messages, by message and address."""
+    return [_recipient(r) for r in await db.fetch(_RECIPIENTS, list(message_ids))]
+
+
 async def stories_of(
     db: Executor, messages: Sequence[MessageRecord], *, addresses: Sequence[str] = ()
 ) -> list[MessageStory]:
     """The stories of `messages` (in the order given); only `addresses` when any are given."""
     ids = [m.id for m in messages]
-    recipients = [_recipient(r) for r in await db.fetch(_RECIPIENTS, ids)]
+    recipients = await recipients_of(db, ids)
     wanted = set(addresses)
     if addresses:
         recipients = [r for r in recipients if r.address in wanted]
@@ -354,6 +359,18 @@ def address_spellings(address: str) -> list[str]:
     local, _, domain = address.strip().rpartition("@")
     spellings = [address.strip(), f"{local}@{domain.lower()}", address.strip().lower()]
     return list(dict.fromkeys(spellings))
+
+
+async def story_of_org_message(
+    db: Executor, queue_id: uuid.UUID, org_id: uuid.UUID
+) -> MessageStory | None:
+    """The whole story of one message of an org (the HTTP API's timeline); None when the queue id
+    is unknown or another org's: the two are not told apart."""
+    message = await message_by_queue_id(db, queue_id)
+    if message is None or message.org_id != org_id:
+        return None
+    (story,) = await stories_of(db, [message])
+    return story
 
 
 async def find_stories(db: Executor, ref: str, *, limit: int) -> Lookup | None:

@@ -126,6 +126,42 @@ async def list_suppressions(
     return [_entry(r) for r in rows]
 
 
+async def find_suppression(db: Executor, org_id: uuid.UUID, address: str) -> Suppression | None:
+    """The org's active entry for `address`, through the list's key (org_id, address)."""
+    row = await db.fetchrow(
+        f"""SELECT {_COLUMNS} FROM suppression
+            WHERE org_id = $1 AND address = lower($2)
+              AND (expires_at IS NULL OR expires_at > now())""",
+        org_id,
+        normalise_address(address),
+    )
+    return _entry(row) if row else None
+
+
+async def page_suppressions(
+    db: Executor, org_id: uuid.UUID, *, after: str | None, limit: int
+) -> list[Suppression]:
+    """The org's active entries in address order, those after the address `after`, at most
+    `limit`: read along the list's key (org_id, address), so a page costs a page whatever the
+    list's size, and entries added meanwhile never make a page repeat one."""
+    rows = await db.fetch(
+        f"""SELECT {_COLUMNS} FROM suppression
+            WHERE org_id = $1 AND address > $2
+              AND (expires_at IS NULL OR expires_at > now())
+            ORDER BY address LIMIT $3""",
+        org_id,
+        after or "",
+        limit,
+    )
+    return [_entry(r) for r in rows]
+
+
+def looks_like_address(address: str) -> bool:
+    """A local part, an @ and a domain, no white space: what the list accepts by hand."""
+    local, at, domain = address.rpartition("@")
+    return bool(at and local and domain) and not any(c.isspace() for c in address)
+
+
 # ---------------------------------------------------------------- from bounces
 
 # An active manual entry stays as the operator left it; a bounce entry (or an expired one) is

@@ -59,3 +59,27 @@ async def test_503_with_retry_after_while_the_database_is_away_then_recovery(
         ) as answer:
             assert answer.status == 202, await answer.text()
         assert await pool.fetchval("SELECT count(*) FROM message") == 1
+
+
+async def test_the_reading_routes_answer_503_while_the_database_is_away(
+    pool: asyncpg.Pool, admin_url: str, db_url: str
+) -> None:
+    async with running_api(pool) as api, aiohttp.ClientSession() as session:
+        headers = {"Authorization": f"Bearer {api.key}"}
+        routes = [
+            ("GET", "/v1/messages"),
+            ("GET", "/v1/messages/01900000-0000-7000-8000-000000000000"),
+            ("GET", "/v1/suppressions"),
+            ("GET", "/v1/suppressions/ann@dest.example"),
+            ("DELETE", "/v1/suppressions/ann@dest.example"),
+        ]
+        await set_reachable(admin_url, db_url, False)
+        try:
+            for method, path in routes:
+                async with session.request(method, api.url + path, headers=headers) as answer:
+                    assert answer.status == 503, (path, await answer.text())
+                    assert int(answer.headers["Retry-After"]) > 0
+        finally:
+            await set_reachable(admin_url, db_url, True)
+        async with session.get(api.url + "/v1/messages", headers=headers) as answer:
+            assert answer.status == 200, await answer.text()

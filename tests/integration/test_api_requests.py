@@ -256,7 +256,7 @@ BAD: list[tuple[str, dict[str, Any], int, str]] = [
         422,
         "invalid-header",
     ),
-    ("GET on the send route", {"body": b"", "method": "GET"}, 405, "method-not-allowed"),
+    ("PUT on the messages route", {"body": GOOD, "method": "PUT"}, 405, "method-not-allowed"),
     ("no such route", {"body": GOOD, "path": "/v1/nothing"}, 404, "not-found"),
 ]
 

@@ -238,6 +238,9 @@ def test_api_listens_on_8025_by_default_and_takes_a_certificate_with_its_key(
         "c.pem",
         "k.pem",
     )
+    assert s.api.read_timeout == 30
+    s = load_settings(write(tmp_path, '[api]\nread_timeout = "5s"\n'), env={})
+    assert s.api.read_timeout == 5
 
 
 @pytest.mark.parametrize(
@@ -246,6 +249,7 @@ def test_api_listens_on_8025_by_default_and_takes_a_certificate_with_its_key(
         ('[api]\ntls_cert = "c.pem"\n', "set both 'api.tls_cert' and 'api.tls_key', or neither"),
         ('[api]\ntls_key = "k.pem"\n', "set both 'api.tls_cert' and 'api.tls_key', or neither"),
         ('[api]\nlisten = "8025"\n', "bad value for 'api.listen'"),
+        ('[api]\nread_timeout = "0s"\n', "'api.read_timeout' must be more than zero"),
         ('[api]\nlistn = "127.0.0.1:8025"\n', "unknown key 'api.listn'"),
         (
             '[api]\nlisten = "127.0.0.1:9187"\n',
