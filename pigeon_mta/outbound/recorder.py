@@ -42,6 +42,8 @@ class Recorder:
         self._pending: list[AttemptResult] = []
         self._pending_event = asyncio.Event()
         self._finishing = False
+        # When the oldest pending result came (on the event loop's clock), at the latest.
+        self._since = 0.0
 
     def submit(self, results: Sequence[AttemptResult]) -> None:
         self.claims.judged(results)
@@ -96,17 +98,25 @@ class Recorder:
             self.delivery_log.attempts(delivery, delivered)
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             if not self._pending:
                 if self._finishing:
                     return
                 self._pending_event.clear()
                 await self._pending_event.wait()
-                if not self._finishing:
-                    # Let the results of transactions finishing right now join this batch.
-                    await asyncio.sleep(self.settings.delivery.record_wait)
+                self._since = loop.time()
+                continue
+            # The results of transactions that finish within record_wait of the oldest pending
+            # one join its batch. So do those that came while the previous batch was being
+            # recorded: recorded at once, they made batches of a few results each (a statement
+            # and a commit apiece), when mail is handed to the engine one group commit at a time.
+            wait = self._since + self.settings.delivery.record_wait - loop.time()
+            if wait > 0 and not self._finishing and len(self._pending) < RECORD_BATCH:
+                await asyncio.sleep(wait)
                 continue
             batch = self._pending[:RECORD_BATCH]
+            started = loop.time()
             try:
                 await self.record(batch)
             except DB_ERRORS as exc:
@@ -124,5 +134,7 @@ class Recorder:
                 await asyncio.sleep(1.0)
                 continue
             del self._pending[: len(batch)]
+            # What is still pending came while this batch was being recorded.
+            self._since = started
             for result in batch:
                 self.claims.forget(result)
