@@ -15,12 +15,12 @@ import asyncpg
 from pigeon_mta.api import problems
 from pigeon_mta.api.problems import Problem
 from pigeon_mta.config import Settings
-from pigeon_mta.header_bounds import FieldBounds, FieldProblem, split_addresses
-from pigeon_mta.message import address_domains
+from pigeon_mta.header_bounds import FieldBounds
 from pigeon_mta.store import apikeys as store_apikeys
 from pigeon_mta.store import domains as store_domains
 from pigeon_mta.store.apikeys import ApiKey
 from pigeon_mta.submission.addresses import Mailbox
+from pigeon_mta.submission.policy import Unreadable, originator_domains
 
 # What a client is told to wait when its key is over its rate (at most the window).
 _RATE_RETRY_AFTER = 60
@@ -74,23 +74,12 @@ class ApiSenderPolicy:
     async def check_originators(self, key: ApiKey, fields: list[tuple[str, str]]) -> None:
         """The originator fields of the message (name, value) against the policy."""
         strict = self.settings.relay.sender_policy == "strict"
-        domains: dict[str, set[str]] = {}
-        for name, value in fields:
-            if name != "from" and not strict:
-                continue
-            read = (
-                address_domains(value, self.from_bounds)
-                if strict
-                else split_addresses(value, self.from_bounds)
+        domains = originator_domains(fields, self.from_bounds, strict=strict)
+        if isinstance(domains, Unreadable):
+            raise Problem(
+                problems.INVALID_HEADER,
+                f"The {_FIELD_NAMES[domains.name]}: field of the message {domains.problem.value}.",
             )
-            if isinstance(read, FieldProblem):
-                raise Problem(
-                    problems.INVALID_HEADER,
-                    f"The {_FIELD_NAMES[name]}: field of the message {read.value}.",
-                )
-            if strict:
-                assert isinstance(read, set)
-                domains.setdefault(name, set()).update(read)
         if not strict:
             return
         if not domains.get("from"):

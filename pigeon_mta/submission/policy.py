@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from dataclasses import dataclass
 
 from pigeon_mta.header_bounds import FieldBounds, FieldProblem, split_addresses
 from pigeon_mta.message import address_domains
@@ -23,6 +24,35 @@ from pigeon_mta.submission.addresses import Mailbox
 from pigeon_mta.submission.context import Conversation, ListenerContext
 
 log = logging.getLogger("pigeon_mta.submission")
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """An originator field that cannot be read within the bounds."""
+
+    name: str  # the field's name, lower case ("from", "sender", ...)
+    value: str  # the field as written
+    problem: FieldProblem
+
+
+def originator_domains(
+    fields: list[tuple[str, str]], bounds: FieldBounds, *, strict: bool
+) -> dict[str, set[str]] | Unreadable:
+    """The domains each originator field (`message.ORIGINATOR_FIELDS`: name, value) names, or the
+    first field that cannot be read. Every From: is measured (header_bounds.py), whatever the
+    policy: one that cannot be parsed within the bounds is refused rather than queued for the DKIM
+    signer to choke on. Only `strict` reads the other fields, and the domains (none otherwise)."""
+    domains: dict[str, set[str]] = {}
+    for name, value in fields:
+        if name != "from" and not strict:
+            continue
+        read = address_domains(value, bounds) if strict else split_addresses(value, bounds)
+        if isinstance(read, FieldProblem):
+            return Unreadable(name, value, read)
+        if strict:
+            assert isinstance(read, set)
+            domains.setdefault(name, set()).update(read)
+    return domains
 
 
 class SenderPolicy:
@@ -72,27 +102,16 @@ class SenderPolicy:
         Sender:, Resent-From: and Resent-Sender: address must be at one of its org's domains.
         """
         strict = conv.login is not None and self.ctx.sender_policy == "strict"
-        domains: dict[str, set[str]] = {}
-        for name, value in fields:
-            if name != "from" and not strict:
-                continue
-            read = (
-                address_domains(value, self.from_bounds)
-                if strict
-                else split_addresses(value, self.from_bounds)
+        domains = originator_domains(fields, self.from_bounds, strict=strict)
+        if isinstance(domains, Unreadable):
+            log.warning(
+                "DATA from [%s] refused: its %s: header %s (%d characters)",
+                conv.client_ip,
+                domains.name,
+                domains.problem.value,
+                len(domains.value),
             )
-            if isinstance(read, FieldProblem):
-                log.warning(
-                    "DATA from [%s] refused: its %s: header %s (%d characters)",
-                    conv.client_ip,
-                    name,
-                    read.value,
-                    len(value),
-                )
-                return replies.FIELD_UNREADABLE[name, read]
-            if strict:
-                assert isinstance(read, set)
-                domains.setdefault(name, set()).update(read)
+            return replies.FIELD_UNREADABLE[domains.name, domains.problem]
         if not strict:
             return None
         assert conv.login is not None
