@@ -21,6 +21,7 @@ Bounded in count and time; loopback only; every process it starts is stopped by 
 
     .venv/bin/python bench/api_bench.py [--via json|raw|smtp] [--messages 20000] [--dkim rsa|none]
         [--webhook none|delivered|all] [--no-delivery] [--sender-policy P] [--part send|drain]
+        [--concurrency-per-endpoint N]
 """
 
 from __future__ import annotations
@@ -197,7 +198,11 @@ class Bench:
 
     def write_config(self, *, deliver: bool = True, webhook_poll: str = "") -> None:
         a = self.args
-        webhooks = f'[webhooks]\npoll_interval = "{webhook_poll}"\n' if webhook_poll else ""
+        webhooks = "[webhooks]\n"
+        if webhook_poll:
+            webhooks += f'poll_interval = "{webhook_poll}"\n'
+        if a.concurrency_per_endpoint:
+            webhooks += f"concurrency_per_endpoint = {a.concurrency_per_endpoint}\n"
         self.config.write_text(
             f"""
 [server]
@@ -579,6 +584,12 @@ def parse_args() -> argparse.Namespace:
         "--sender-policy",
         choices=["strict", "envelope", "off"],
         help="relay.sender_policy (default: the config's own, strict)",
+    )
+    parser.add_argument(
+        "--concurrency-per-endpoint",
+        dest="concurrency_per_endpoint",
+        type=int,
+        help="webhooks.concurrency_per_endpoint (default: the config's own, 8)",
     )
     parser.add_argument("--timeout", type=float, default=300, help="a part gives up after this")
     parser.add_argument("--receiver", type=int, help=argparse.SUPPRESS)
