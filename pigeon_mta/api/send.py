@@ -90,9 +90,10 @@ class SendHandler:
         new_message_id = f"{new_id().hex}@{self.settings.server.hostname}"
         try:
             await self.policy.check_rate(key)
-            await self.policy.check_sender(key, submission.sender)
+            owned: dict[str, bool] = {}  # the org's sender domains, as far as this request asked
+            await self.policy.check_sender(key, submission.sender, owned)
             fixed = self._fixups(request, key, submission, queue_id, received_at, new_message_id)
-            await self.policy.check_originators(key, fixed.address_fields)
+            await self.policy.check_originators(key, fixed.address_fields, owned)
             lane = self._lane(key, submission, fixed)
             if idempotency is not None and not claimed:
                 taken = await idempotency.claim(queue_id)
