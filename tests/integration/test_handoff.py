@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import asyncpg
+import pytest
 
 from pigeon_mta.ids import new_id
 from pigeon_mta.model import Envelope
@@ -145,3 +146,33 @@ async def test_duplicates_give_their_room_back(
             }
     assert pokes == []
     assert len(world.sinks.received_by("bob@plain.test")) == 2
+
+
+async def test_a_failed_commit_gives_the_engine_its_room_back(
+    tmp_path: Path, pool: asyncpg.Pool, db_url: str, org_id: uuid.UUID
+) -> None:
+    """The database refuses the commits (their pool is gone): each caller gets the error, nothing
+    is queued, and the room each message was offered goes back to the engine, which then takes
+    the next message as it is committed."""
+    async with mail_world(tmp_path) as world:
+        async with running_engine(world.settings(db_url, concurrency=4), pool, db_url) as engine:
+            gone = await asyncpg.create_pool(db_url, min_size=1, max_size=1)
+            assert gone is not None
+            await gone.close()
+            broken = GroupCommit(gone, engine=engine)
+            for _ in range(5):
+                with pytest.raises(asyncpg.InterfaceError):
+                    await broken.enqueue(
+                        new_id(), submitted(org_id, "bob@plain.test", "d@plain.test")
+                    )
+            assert await pool.fetchval("SELECT count(*) FROM message") == 0
+
+            queue_id = new_id()
+            await GroupCommit(pool, engine=engine).enqueue(
+                queue_id, submitted(org_id, "bob@plain.test", "dave@plain.test")
+            )
+            assert {r["status"] for r in await rows(pool, queue_id)} <= {"delivering", "delivered"}
+            assert await wait_final(pool, queue_id) == {
+                "bob@plain.test": "delivered",
+                "dave@plain.test": "delivered",
+            }
