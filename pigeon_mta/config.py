@@ -405,6 +405,10 @@ class ApiSettings:
     # that trickles bytes (slowloris) is cut off instead of holding a connection for ever. An idle
     # kept-alive connection is closed after it too.
     read_timeout: Duration = Duration(30)
+    # Each process remembers a valid API key, and that a sender domain is its org's, for this long
+    # instead of asking the database at every request: a revoked key or a removed domain is
+    # refused at the latest this long after. "0" asks at every request.
+    auth_cache: Duration = Duration(1)
 
 
 @dataclass(frozen=True)

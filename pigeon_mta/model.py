@@ -84,6 +84,9 @@ class Envelope:
     # Set by the group commit when this process's engine takes the message as it is committed
     # (store/group_commit.py): its recipients are queued already claimed by that engine.
     handoff: Handoff | None = None
+    # The ids of its recipient rows, one per recipient in order, when the submitter made them (the
+    # HTTP API answers with them without reading them back); made at the enqueue when empty.
+    recipient_ids: tuple[uuid.UUID, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from aiohttp import web
 from pigeon_mta import model
 from pigeon_mta.api.compose import Submission
 from pigeon_mta.config import API_LISTENER
+from pigeon_mta.ids import new_ids
 from pigeon_mta.store.apikeys import ApiKey, auth_user_of
 from pigeon_mta.submission.fixups import Fixed, Trace
 from pigeon_mta.submission.reception import Reception
@@ -55,6 +56,7 @@ def queued_as(
         tls_cipher=tls_cipher,
         duplicate_window=duplicate_window,
         lane=lane,
+        recipient_ids=tuple(new_ids(len(submission.recipients))),
     )
     reception = Reception(
         queue_id=queue_id,

@@ -9,15 +9,21 @@ for SMTP mail. `limits.credential_rate_limit` counts a key's messages as it coun
 
 What one request learns of its org's sender domains is kept for the rest of that request (`owned`,
 as an SMTP conversation keeps it), so that the usual message, whose From: is at the envelope
-sender's domain, costs one look-up and not two. Nothing is kept across requests: a domain removed
-from the org is refused from the next request on.
+sender's domain, costs one look-up and not two. Across requests the process remembers that a domain
+is the org's for `api.auth_cache` (memo.py): a domain removed from the org is refused at the latest
+that long after its removal, and with 0 from the next request on.
 """
 
 from __future__ import annotations
 
+import time
+import uuid
+from collections.abc import Callable
+
 import asyncpg
 
 from pigeon_mta.api import problems
+from pigeon_mta.api.memo import Memo
 from pigeon_mta.api.problems import Problem
 from pigeon_mta.config import Settings
 from pigeon_mta.header_bounds import FieldBounds
@@ -39,11 +45,18 @@ _FIELD_NAMES = {
 
 
 class ApiSenderPolicy:
-    def __init__(self, settings: Settings, pool: asyncpg.Pool) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        pool: asyncpg.Pool,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.settings = settings
         self.pool = pool
         limits = settings.limits
         self.from_bounds = FieldBounds(limits.max_from_addresses, limits.max_from_length)
+        self._owned: Memo[tuple[uuid.UUID, str], bool] = Memo(settings.api.auth_cache, clock=clock)
 
     async def check_rate(self, key: ApiKey) -> None:
         """429 when the key has sent its `limits.credential_rate_limit` (raises on DB trouble)."""
@@ -104,6 +117,9 @@ class ApiSenderPolicy:
     async def _org_owns(self, key: ApiKey, domain: str, owned: dict[str, bool]) -> bool:
         known = owned.get(domain)
         if known is None:
-            known = await store_domains.org_may_send_as(self.pool, key.org_id, domain)
+            known = await self._owned.get(
+                (key.org_id, domain),
+                lambda: store_domains.org_may_send_as(self.pool, key.org_id, domain),
+            )
             owned[domain] = known
         return known

@@ -20,7 +20,7 @@ import asyncpg
 from aiohttp import web
 
 from pigeon_mta.api import problems
-from pigeon_mta.api.auth import authenticate
+from pigeon_mta.api.auth import Authenticator
 from pigeon_mta.api.problems import Problem
 from pigeon_mta.delivery_records import story_records, timestamp_text
 from pigeon_mta.store import events as store_events
@@ -39,11 +39,12 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 class MessageReader:
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, authenticate: Authenticator) -> None:
         self.pool = pool
+        self.authenticate = authenticate
 
     async def get(self, request: web.Request) -> web.Response:
-        key = await authenticate(request, self.pool)
+        key = await self.authenticate(request)
         text = request.match_info["queue_id"]
         try:
             queue_id = uuid.UUID(text)
@@ -76,7 +77,7 @@ class MessageReader:
         )
 
     async def list(self, request: web.Request) -> web.Response:
-        key = await authenticate(request, self.pool)
+        key = await self.authenticate(request)
         filters, after, limit = _list_query(request)
         try:
             found = await message_pages.list_messages(

@@ -28,7 +28,7 @@ from aiohttp import web
 
 from pigeon_mta import model
 from pigeon_mta.api import problems
-from pigeon_mta.api.auth import authenticate
+from pigeon_mta.api.auth import Authenticator
 from pigeon_mta.api.compose import Submission, from_json, from_raw
 from pigeon_mta.api.envelope import api_trace, client_ip, queued_as
 from pigeon_mta.api.idempotency import Idempotency, json_response
@@ -59,17 +59,19 @@ class SendHandler:
         settings: Settings,
         pool: asyncpg.Pool,
         group_commit: GroupCommit,
+        authenticate: Authenticator,
         *,
         delivery_log: DeliveryLog | None,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.group_commit = group_commit
+        self.authenticate = authenticate
         self.delivery_log = delivery_log
         self.policy = ApiSenderPolicy(settings, pool)
 
     async def post(self, request: web.Request) -> web.Response:
-        key = await authenticate(request, self.pool)
+        key = await self.authenticate(request)
         if request.content_type not in (JSON, RAW):
             raise Problem(
                 problems.UNSUPPORTED_MEDIA_TYPE,
@@ -116,8 +118,11 @@ class SendHandler:
             if fixed.header_message_id != new_message_id
             else 0.0,
         )
-        answered_id = await self._enqueue(key, idempotency, message, reception)
-        status, response = await self._answer(key, answered_id, submission.recipients)
+        answered_id, as_sent = await self._enqueue(key, idempotency, message, reception)
+        if as_sent:
+            status, response = 202, _accepted(answered_id, message)
+        else:
+            status, response = await self._answer(key, answered_id, submission.recipients)
         if idempotency is not None:
             await idempotency.remember(queue_id, status, response)
         return json_response(status, response)
@@ -203,9 +208,11 @@ class SendHandler:
         idempotency: Idempotency | None,
         message: model.Envelope,
         reception: Reception,
-    ) -> uuid.UUID:
+    ) -> tuple[uuid.UUID, bool]:
         """Commit the message (as the SMTP handler does, shielded: a client that goes away does
-        not cancel the commit half-way); returns the queue id to answer with."""
+        not cancel the commit half-way); returns the queue id to answer with, and whether the
+        message was queued as sent (no recipient a duplicate, not queued first by a repeat): its
+        rows are then the envelope's, and the answer needs no read-back."""
         task = asyncio.ensure_future(self.group_commit.enqueue(reception.queue_id, message))
         try:
             duplicates = await asyncio.shield(task)
@@ -217,7 +224,7 @@ class SendHandler:
                 raise  # not a repeat: a fault, answered 500 and logged by the server
             # A repeat with the same Idempotency-Key queued this queue id first: answer as it.
             log.info("message %s was queued by a repeat of its request", reception.queue_id)
-            return reception.queue_id
+            return reception.queue_id, False
         except DB_ERRORS as exc:
             log.warning(
                 "not queued (503 sent): key=%s from=<%s> nrcpt=%d: database trouble: %s",
@@ -229,7 +236,7 @@ class SendHandler:
             if idempotency is not None:
                 await idempotency.forget(reception.queue_id)
             raise problems.database_unavailable("the message was not queued") from None
-        return self._announce(message, reception, duplicates)
+        return self._announce(message, reception, duplicates), duplicates is None
 
     def _announce(
         self, message: model.Envelope, reception: Reception, duplicates: Duplicates | None
@@ -250,9 +257,10 @@ class SendHandler:
     async def _answer(
         self, key: ApiKey, queue_id: uuid.UUID, recipients: tuple[str, ...]
     ) -> tuple[int, bytes]:
-        """The 202 and its body, from the queued rows (the recipient ids are made at the
-        commit). Should the rows not be readable after the commit, the ids are null: the
-        message is queued, and saying otherwise would make the client send it again."""
+        """The 202 and its body, from the queued rows, for a message not queued as sent (its
+        recipients were duplicates, or a repeat of the request queued it). Should the rows not be
+        readable after the commit, the ids are null: the message is queued, and saying otherwise
+        would make the client send it again."""
         try:
             queued = await store_queue.queued_recipients(self.pool, key.org_id, queue_id)
         except DB_ERRORS as exc:
@@ -268,6 +276,20 @@ class SendHandler:
             "recipients": [{"address": a, "id": str(ids[a]) if a in ids else None} for a in listed],
         }
         return 202, json.dumps(body).encode()
+
+
+def _accepted(queue_id: uuid.UUID, message: model.Envelope) -> bytes:
+    """The 202's body for a message queued as sent, from its envelope: the same as `_answer`
+    reads back (each address once, in the request's order)."""
+    ids: dict[str, uuid.UUID] = {}
+    for address, recipient_id in zip(message.recipients, message.recipient_ids, strict=True):
+        ids.setdefault(address, recipient_id)
+    body = {
+        "queue_id": str(queue_id),
+        "message_id": message.header_message_id,
+        "recipients": [{"address": a, "id": str(i)} for a, i in ids.items()],
+    }
+    return json.dumps(body).encode()
 
 
 def _compose(request: web.Request, body: bytes, settings: Settings) -> Submission:

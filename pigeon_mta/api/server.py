@@ -18,6 +18,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from pigeon_mta.api import problems
+from pigeon_mta.api.auth import Authenticator
 from pigeon_mta.api.openapi import openapi_document
 from pigeon_mta.api.problems import Problem
 from pigeon_mta.api.reading import MessageReader
@@ -49,9 +50,10 @@ def build_app(
         client_max_size=size * 2 + _BODY_SLACK if size else _NO_LIMIT_BODY,
         middlewares=[_problems, _body_within(settings.api.read_timeout)],
     )
-    send = SendHandler(settings, pool, group_commit, delivery_log=delivery_log)
-    messages = MessageReader(pool)
-    suppressions = SuppressionHandler(pool)
+    authenticate = Authenticator(pool, cache=settings.api.auth_cache)
+    send = SendHandler(settings, pool, group_commit, authenticate, delivery_log=delivery_log)
+    messages = MessageReader(pool, authenticate)
+    suppressions = SuppressionHandler(pool, authenticate)
     app.router.add_post("/v1/messages", send.post)
     app.router.add_get("/v1/messages", messages.list)
     app.router.add_get("/v1/messages/{queue_id}", messages.get)

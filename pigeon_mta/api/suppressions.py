@@ -18,7 +18,7 @@ import asyncpg
 from aiohttp import web
 
 from pigeon_mta.api import problems
-from pigeon_mta.api.auth import authenticate
+from pigeon_mta.api.auth import Authenticator
 from pigeon_mta.api.problems import Problem
 from pigeon_mta.delivery_records import timestamp_text
 from pigeon_mta.store import suppression as store_suppression
@@ -35,11 +35,12 @@ T = TypeVar("T")
 
 
 class SuppressionHandler:
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, authenticate: Authenticator) -> None:
         self.pool = pool
+        self.authenticate = authenticate
 
     async def list(self, request: web.Request) -> web.Response:
-        key = await authenticate(request, self.pool)
+        key = await self.authenticate(request)
         after, limit = _page_query(request)
         entries = await self._db(
             store_suppression.page_suppressions(
@@ -56,7 +57,7 @@ class SuppressionHandler:
         )
 
     async def get(self, request: web.Request) -> web.Response:
-        key = await authenticate(request, self.pool)
+        key = await self.authenticate(request)
         address = request.match_info["address"]
         entry = await self._db(
             store_suppression.find_suppression(self.pool, key.org_id, address),
@@ -67,7 +68,7 @@ class SuppressionHandler:
         return web.json_response(entry_json(entry))
 
     async def post(self, request: web.Request) -> web.Response:
-        key = await authenticate(request, self.pool)
+        key = await self.authenticate(request)
         if request.content_type != "application/json":
             raise Problem(
                 problems.UNSUPPORTED_MEDIA_TYPE,
@@ -84,7 +85,7 @@ class SuppressionHandler:
         return web.json_response(entry_json(entry), status=201 if new else 200)
 
     async def delete(self, request: web.Request) -> web.Response:
-        key = await authenticate(request, self.pool)
+        key = await self.authenticate(request)
         address = request.match_info["address"]
         removed = await self._db(
             store_suppression.remove_suppression(self.pool, key.org_id, address),

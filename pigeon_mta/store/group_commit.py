@@ -153,7 +153,8 @@ class GroupCommit:
         if room is None:
             return envelope
         owner, lease = room
-        handoff = Handoff(owner, lease, tuple(new_ids(len(envelope.recipients))))
+        ids = envelope.recipient_ids or tuple(new_ids(len(envelope.recipients)))
+        handoff = Handoff(owner, lease, ids)
         return dataclasses.replace(envelope, handoff=handoff)
 
     def _deliver(self, queue_id: uuid.UUID, e: Envelope, enqueued: Enqueued) -> None:
