@@ -38,7 +38,7 @@ def register(sub: Any) -> None:
     add_common(p)
     p.add_argument("org", nargs="?")
     p.set_defaults(handler=cmd_list)
-    p = apikey.add_parser("revoke", help="refuse a key from now on")
+    p = apikey.add_parser("revoke", help="refuse a key (in every process within api.auth_cache)")
     add_common(p)
     p.add_argument("id", help="the key's id (apikey list shows it)")
     p.set_defaults(handler=cmd_revoke)

@@ -95,8 +95,8 @@ async def list_api_keys(db: Executor, org_id: uuid.UUID | None = None) -> list[A
 
 
 async def revoke_api_key(db: Executor, key_id: uuid.UUID) -> ApiKey | None:
-    """Revoke a key (at once, for every process); None when there is no such key. Revoking a
-    revoked key keeps its first revocation time."""
+    """Revoke a key (refused by every process within api.auth_cache, api/memo.py); None when
+    there is no such key. Revoking a revoked key keeps its first revocation time."""
     row = await db.fetchrow(
         f"""WITH k AS (
                 UPDATE api_key SET revoked_at = COALESCE(revoked_at, now()) WHERE id = $1
