@@ -18,8 +18,15 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from email.headerregistry import Address
-from email.message import EmailMessage
+from email import encoders
+from email.charset import QP, Charset
+from email.header import Header
+from email.message import Message
+from email.mime.base import MIMEBase
+from email.mime.multipart import MIMEMultipart
+from email.mime.nonmultipart import MIMENonMultipart
+from email.mime.text import MIMEText
+from email.utils import formataddr
 from typing import Any
 
 from pigeon_mta.api import problems
@@ -66,7 +73,6 @@ _FIELD_NAME = re.compile(r"[!-9;-~]{1,76}")
 _MEDIA_TYPE = re.compile(
     r"[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,63}/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,63}"
 )
-_SMTP = email.policy.SMTP
 
 
 @dataclass(frozen=True)
@@ -106,48 +112,134 @@ def from_json(body: bytes, limits: LimitsSettings) -> Submission:
     lane = _string(request, "lane")
     if text is None and html is None:
         raise Problem(problems.INVALID_FIELD, "The request needs a 'text' or an 'html' field.")
-    message = EmailMessage(policy=_SMTP)
-    _set(message, "From", [_header_address(*sender)], "from")
+    headers: list[tuple[str, str | Header]] = [("From", _address_list([sender], "from"))]
     if to:
-        _set(message, "To", [_header_address(*a) for a in to], "to")
+        headers.append(("To", _address_list(to, "to")))
     if cc:
-        _set(message, "Cc", [_header_address(*a) for a in cc], "cc")
+        headers.append(("Cc", _address_list(cc, "cc")))
     if reply_to:
-        _set(message, "Reply-To", [_header_address(*a) for a in reply_to], "reply_to")
+        headers.append(("Reply-To", _address_list(reply_to, "reply_to")))
     if subject is not None:
         _check_value(subject, "subject")
-        _set(message, "Subject", subject, "subject")
+        headers.append(("Subject", _text_value(subject, "Subject", "subject")))
     for name, value in _headers(request.get("headers")):
-        _set(message, name, value, f"headers.{name}")
-    if text is not None:
-        message.set_content(text, cte=_cte(text))
-    if html is not None:
-        if text is None:
-            message.set_content(html, subtype="html", cte=_cte(html))
-        else:
-            message.add_alternative(html, subtype="html", cte=_cte(html))
-    for i, (filename, content_type, content) in enumerate(_attachments(request)):
-        maintype, subtype = content_type.split("/")
-        try:
-            message.add_attachment(content, maintype=maintype, subtype=subtype, filename=filename)
-        except (ValueError, TypeError, email.errors.MessageError):
-            raise Problem(
-                problems.INVALID_FIELD, f"The attachment 'attachments[{i}]' cannot be encoded."
-            ) from None
-    try:
-        data = message.as_bytes(policy=_SMTP)
-    except (ValueError, TypeError, UnicodeError, email.errors.MessageError) as exc:
-        raise Problem(
-            problems.INVALID_HEADER, f"The message cannot be built from these fields: {exc}."
-        ) from None
+        headers.append((name, _text_value(value, name, f"headers.{name}")))
+    tree = _body(text, html)
+    attachments = _attachments(request)
+    if attachments:
+        tree = _mixed(tree, attachments)
+    data = _flatten(headers, tree)
     _check_size(data, limits)
     return Submission(sender[0], recipients, data, lane)
 
 
-def _cte(text: str) -> str | None:
-    """Quoted-printable for non-ASCII text (the email package would pick 8bit for short lines,
-    which a destination without 8BITMIME cannot take); its own choice otherwise."""
-    return None if text.isascii() else "quoted-printable"
+# ---------------------------------------------------------------- MIME
+
+# The email package's compat32 classes (email.mime, email.header), not EmailMessage: its header
+# objects parse back every value set and fold it again when written, about 0.5 ms of a 5 KB
+# message's 0.7 ms (bench/README.md, "HTTP API and webhooks"). Every value here is checked
+# before it is set (addresses by parse_mailbox, text for CR, LF and control characters), so
+# there is nothing left for them to find; what they did besides, encoded words for non-ASCII
+# text and folding at 78 columns, the compat32 generator does as well.
+_WRITE = email.policy.compat32.clone(linesep="\r\n")
+_LINE = _WRITE.max_line_length or 78
+_UTF8 = Charset("utf-8")
+_UTF8.body_encoding = QP  # quoted-printable: 7-bit for destinations without 8BITMIME
+_MIME_FIELDS = ("MIME-Version", "Content-Type", "Content-Transfer-Encoding")
+# A word the generator cannot fold: past this, a field name and it would not fit RFC 5322's 998.
+_LONGEST_WORD = 900
+
+
+def _address_list(addresses: list[tuple[Mailbox, str]], field: str) -> str:
+    """`Name <local@domain>, ...`: a name quoted where it needs it, encoded when not ASCII."""
+    try:
+        return ", ".join(
+            formataddr((name, str(mailbox)), charset=_UTF8) for mailbox, name in addresses
+        )
+    except (ValueError, UnicodeError):
+        raise Problem(
+            problems.INVALID_HEADER, f"The value of '{_shown(field)}' is not a valid header value."
+        ) from None
+
+
+def _text_value(value: str, name: str, field: str) -> str | Header:
+    """A header value as given when it is ASCII and folds within a line, else encoded words
+    (RFC 2047), which split where the text cannot."""
+    if value.isascii() and all(len(word) <= _LONGEST_WORD for word in value.split()):
+        return value
+    try:
+        return Header(value, _UTF8, header_name=name)
+    except (ValueError, UnicodeError):
+        raise Problem(
+            problems.INVALID_HEADER, f"The value of '{_shown(field)}' is not a valid header value."
+        ) from None
+
+
+def _body(text: str | None, html: str | None) -> Message:
+    """The text, the html, or both as multipart/alternative."""
+    parts = [
+        _text_part(content, subtype, name)
+        for content, subtype, name in ((text, "plain", "text"), (html, "html", "html"))
+        if content is not None
+    ]
+    if len(parts) == 1:
+        return parts[0]
+    alternative = MIMEMultipart("alternative", policy=_WRITE)
+    for part in parts:
+        alternative.attach(part)
+    return alternative
+
+
+def _text_part(content: str, subtype: str, field: str) -> Message:
+    """7bit for ASCII in lines of at most 78 characters, else UTF-8 in quoted-printable (never
+    8bit, which a destination without 8BITMIME cannot take)."""
+    if not content.endswith("\n"):
+        content += "\n"  # a part's text ends with its line, not with the boundary's CRLF
+    plain = content.isascii() and all(len(line) <= _LINE for line in content.splitlines())
+    if plain:
+        return MIMEText(content, subtype, "us-ascii", policy=_WRITE)
+    part = MIMENonMultipart("text", subtype, policy=_WRITE, charset="utf-8")
+    try:
+        part.set_payload(content, _UTF8)
+        return part
+    except (ValueError, UnicodeError):
+        raise Problem(
+            problems.INVALID_FIELD, f"The field '{field}' cannot be encoded as UTF-8."
+        ) from None
+
+
+def _mixed(body: Message, attachments: list[tuple[str, str, bytes]]) -> Message:
+    mixed = MIMEMultipart("mixed", policy=_WRITE)
+    mixed.attach(body)
+    for filename, content_type, content in attachments:
+        maintype, subtype = content_type.split("/")
+        part = MIMEBase(maintype, subtype, policy=_WRITE)
+        part.set_payload(content)
+        encoders.encode_base64(part)
+        shown: str | tuple[str, str, str] = (
+            filename if filename.isascii() else ("utf-8", "", filename)
+        )
+        part.add_header("Content-Disposition", "attachment", filename=shown)
+        mixed.attach(part)
+    return mixed
+
+
+def _flatten(headers: list[tuple[str, str | Header]], body: Message) -> bytes:
+    """The message: the request's fields first, then the MIME ones, CRLF line ends."""
+    for part in body.walk():
+        if part is not body:
+            del part["MIME-Version"]  # the top level says it once
+    mime = [(name, body[name]) for name in _MIME_FIELDS if name in body]
+    for name, _value in mime:
+        del body[name]
+    for name, value in [*headers, *mime]:
+        body[name] = value  # type: ignore[assignment]  # compat32 takes a Header as well
+    try:
+        return body.as_bytes(policy=_WRITE)
+    except (ValueError, TypeError, UnicodeError, email.errors.MessageError) as exc:
+        raise Problem(
+            problems.INVALID_HEADER, f"The message cannot be built from these fields: {exc}."
+        ) from None
 
 
 def _string(request: Mapping[str, Any], name: str) -> str | None:
@@ -171,15 +263,6 @@ def _check_value(value: str, field: str) -> None:
         raise Problem(
             problems.INVALID_HEADER, f"The field '{_shown(field)}' contains a control character."
         )
-
-
-def _set(message: EmailMessage, name: str, value: Any, field: str) -> None:
-    try:
-        message[name] = value
-    except (ValueError, TypeError, IndexError, email.errors.MessageError):
-        raise Problem(
-            problems.INVALID_HEADER, f"The value of '{_shown(field)}' is not a valid header value."
-        ) from None
 
 
 def _headers(value: object) -> list[tuple[str, str]]:
@@ -283,10 +366,6 @@ def _addresses(value: object, field: str) -> list[tuple[Mailbox, str]]:
             problems.INVALID_FIELD, f"The field '{field}' must be an address or a list of them."
         )
     return [_address(item, f"{field}[{i}]") for i, item in enumerate(value)]
-
-
-def _header_address(mailbox: Mailbox, name: str) -> Address:
-    return Address(display_name=name, username=mailbox.local, domain=mailbox.domain)
 
 
 def _envelope_recipients(mailboxes: list[Mailbox], limits: LimitsSettings) -> tuple[str, ...]:

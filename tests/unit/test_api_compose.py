@@ -64,6 +64,39 @@ def test_text_html_and_attachments_make_one_mime_tree() -> None:
     assert attachment.get_content() == pdf
 
 
+def test_every_line_fits_seven_bit_transport_and_the_text_comes_back_the_same() -> None:
+    word = "w" * 2000
+    long_line = "y" * 300
+    submission = from_json(
+        json.dumps(
+            {
+                "from": "j@acme.example",
+                "to": "a@dest.example",
+                "subject": f"one {word} two",
+                "headers": {"X-Note": "a " * 100},
+                "text": f"short\n{long_line}\n",
+                "html": "<p>plain ascii</p>",
+            }
+        ).encode(),
+        LIMITS,
+    )
+    lines = submission.data.split(b"\r\n")
+    assert submission.data.isascii() and max(len(line) for line in lines) <= 998
+    message = email.message_from_bytes(submission.data, policy=email.policy.default)
+    assert isinstance(message, email.message.EmailMessage)
+    assert message["Subject"] == f"one {word} two"
+    assert message["X-Note"].split() == ["a"] * 100
+    text = message.get_body(("plain",))
+    html = message.get_body(("html",))
+    assert text is not None and html is not None
+    assert text["Content-Transfer-Encoding"] == "quoted-printable"  # a line over 78
+    assert text.get_content() == f"short\r\n{long_line}\r\n"
+    assert html["Content-Transfer-Encoding"] == "7bit"
+    assert html.get_content() == "<p>plain ascii</p>\r\n"
+    # One MIME-Version, at the top.
+    assert submission.data.count(b"MIME-Version:") == 1
+
+
 def test_recipients_are_to_cc_and_bcc_once_each_and_bcc_stays_out_of_the_header() -> None:
     recipients, message = build(
         **{"from": "j@acme.example"},
