@@ -226,7 +226,10 @@ async def worker_services(
         services.append(submission)
         # The API queues through the listeners' group commit: their messages share commits, and
         # it hands them to this process's engine or wakes the engines as theirs.
-        services.append(
-            ApiService(settings, pool, submission.group_commit, delivery_log=delivery_log)
-        )
+        if settings.api.listen is not None:
+            services.append(
+                ApiService(settings, pool, submission.group_commit, delivery_log=delivery_log)
+            )
+        elif index == 0:
+            log.info("HTTP API off ('api.listen' is empty)")
         yield services

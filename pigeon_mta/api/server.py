@@ -140,6 +140,8 @@ class ApiService:
         *,
         delivery_log: DeliveryLog | None = None,
     ) -> None:
+        if settings.api.listen is None:
+            raise ValueError("'api.listen' is empty: the settings have no HTTP API to serve")
         self.settings = settings
         app = build_app(settings, pool, group_commit, delivery_log=delivery_log)
         self.server = WebServer(
