@@ -29,6 +29,7 @@ import asyncpg
 
 from tests.conftest import REPO, free_port, run_pigeon
 from tests.e2e.serve_process import ServeProcess, descendants, write_config
+from tests.e2e.test_observability import answered, eventually
 from tests.peers.smtp_sink import SinkState, start_sink, stop_servers
 
 README = REPO / "README.md"
@@ -274,6 +275,11 @@ delivery_log = ""
         assert "HTTP API on" not in serve.output
         pids = [serve.proc.pid, *descendants(serve.proc.pid)]
         assert listening_ports(pids) == {smtp_port, metrics_port}
+        ready = await asyncio.to_thread(
+            eventually, lambda: answered(metrics_port, "/readyz", 200), "ready"
+        )
+        assert "listener relay: ok" in ready[2].decode()
+        assert "api" not in ready[2].decode()  # no API listener to wait for
 
         await aiosmtplib.send(
             b"From: app@internal.test\r\nTo: ann@sink.test\r\nSubject: hi\r\n\r\nno API\r\n",
