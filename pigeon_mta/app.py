@@ -13,7 +13,7 @@ from typing import Protocol
 import asyncpg
 
 from pigeon_mta import metrics, node
-from pigeon_mta.config import Settings
+from pigeon_mta.config import API_LISTENER, Settings
 from pigeon_mta.config_loader import ConfigError
 from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.observability.exposition import MetricsExposition, MultiprocessSetupError
@@ -100,7 +100,9 @@ async def node_parts(
         metrics.start_at_zero(listeners)
         delivery_log = _open_delivery_log(settings)
         resources.callback(delivery_log.close)
-        readiness = Readiness(pool, exposition, listeners, count, stop)
+        # The API's listener is one more that must be bound for the node to be ready.
+        bound = [*listeners, API_LISTENER] if settings.api.listen is not None else listeners
+        readiness = Readiness(pool, exposition, bound, count, stop)
         http = ObservabilityServer(settings.metrics.listen, exposition, readiness)
         await _start_http(http)
         resources.push_async_callback(http.stop)
@@ -226,7 +228,10 @@ async def worker_services(
         services.append(submission)
         # The API queues through the listeners' group commit: their messages share commits, and
         # it hands them to this process's engine or wakes the engines as theirs.
-        services.append(
-            ApiService(settings, pool, submission.group_commit, delivery_log=delivery_log)
-        )
+        if settings.api.listen is not None:
+            services.append(
+                ApiService(settings, pool, submission.group_commit, delivery_log=delivery_log)
+            )
+        elif index == 0:
+            log.info("HTTP API off ('api.listen' is empty)")
         yield services

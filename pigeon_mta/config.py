@@ -394,8 +394,9 @@ API_LISTENER = "api"
 
 @dataclass(frozen=True)
 class ApiSettings:
-    # The HTTP API (POST /v1/messages, ...), served by every worker process on this address.
-    listen: HostPort = HostPort("127.0.0.1", 8025)
+    # The HTTP API (POST /v1/messages, ...), served by every worker process on this address; ""
+    # (None here) serves no API.
+    listen: HostPort | None = HostPort("127.0.0.1", 8025)
     # HTTPS with this certificate chain and key (PEM; both or neither). Without them the API
     # speaks plain HTTP: keep it on loopback, or behind a proxy that adds TLS.
     tls_cert: str = ""

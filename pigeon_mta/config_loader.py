@@ -196,6 +196,9 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             value_type = typing.get_args(tp)[1]
             return {str(k): _convert(value_type, v, f"{key}.{k}") for k, v in value.items()}
         if origin in (typing.Union, types.UnionType):
+            if set(typing.get_args(tp)) == {HostPort, type(None)}:
+                # An address that may be switched off, as a string option is: "" is none.
+                return None if value == "" else HostPort.parse(value)
             return value
         if tp is bool:
             if not isinstance(value, bool):
@@ -399,7 +402,7 @@ def _check_api(settings: Settings) -> None:
         raise ConfigError("set both 'api.tls_cert' and 'api.tls_key', or neither")
     taken = {str(listener.address) for listener in settings.listener}
     taken.add(str(settings.metrics.listen))
-    if api.listen.port and str(api.listen) in taken:
+    if api.listen is not None and api.listen.port and str(api.listen) in taken:
         # SO_REUSEPORT would let both bind, and split the connections between them.
         raise ConfigError(f"'api.listen' {api.listen} is the address of a listener or of metrics")
 

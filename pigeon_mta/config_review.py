@@ -157,7 +157,7 @@ def _self_signed_warnings(settings: Settings) -> list[str]:
 
 def _plain_api_warnings(settings: Settings) -> list[str]:
     api = settings.api
-    if api.tls_cert or _loopback_host(api.listen.host):
+    if api.listen is None or api.tls_cert or _loopback_host(api.listen.host):
         return []
     return [
         f"the HTTP API on {api.listen} speaks plain HTTP: API keys and messages cross the "

@@ -1,6 +1,11 @@
 """The `Idempotency-Key` of a send: what an earlier use of the key left, the claim of the key
 before the enqueue, and the answer kept after it (store/idempotency.py keeps them; api/send.py
 says why the claim names the queue id).
+
+A claim is never given up, not even when the enqueue fails: a failure may come after the commit
+(the connection broke before its answer arrived), and a repeat that made a new claim would queue
+the message a second time. Under the claimed queue id a repeat queues the message only if no
+request did.
 """
 
 from __future__ import annotations
@@ -81,13 +86,6 @@ class Idempotency:
         except DB_ERRORS as exc:
             # A repeat answers from the queued rows instead (api/send.py).
             log.warning("the answer for the %s of %s is not stored: %s", HEADER, queue_id, exc)
-
-    async def forget(self, queue_id: uuid.UUID) -> None:
-        """Give up the claim of a message that was not queued."""
-        try:
-            await store_idempotency.forget(self.pool, self.org_id, self.key, queue_id)
-        except DB_ERRORS:
-            pass  # a repeat finds no message under the claimed id and queues it then
 
     def _replay(
         self, found: store_idempotency.Remembered | None

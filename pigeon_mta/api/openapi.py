@@ -15,6 +15,7 @@ from pigeon_mta.api.compose import ATTACHMENT_FIELDS, JSON_FIELDS
 from pigeon_mta.model import EVENT_TYPE, Outcome
 from pigeon_mta.store import message_pages
 from pigeon_mta.store import suppression as store_suppression
+from pigeon_mta.store import webhooks as store_webhooks
 
 _ADDRESS = {"type": "string", "description": "addr@example.com or Name <addr@example.com>"}
 _ADDRESSES = {"oneOf": [_ADDRESS, {"type": "array", "items": _ADDRESS}]}
@@ -205,6 +206,76 @@ _EVENT: dict[str, Any] = {
         "attempt": {"type": ["integer", "null"]},
     },
 }
+
+# A webhook request's body (store/webhooks.py `event_payload`); README "Webhooks" says more.
+_WEBHOOK_EVENT: dict[str, Any] = {
+    "type": "object",
+    "description": "what happened to a recipient of the org's mail. `complained` is reserved "
+    "for complaint reports (ARF, from feedback loops), which pigeon-mta does not process: no "
+    "event of that type is sent",
+    "required": ["type", "timestamp", "data"],
+    "properties": {
+        "type": {"type": "string", "enum": list(store_webhooks.EVENT_TYPES)},
+        "timestamp": {**_TIME, "description": "when the outcome was recorded (UTC)"},
+        "data": {
+            "type": "object",
+            "required": [
+                "queue_id",
+                "recipient_id",
+                "recipient",
+                "message_id",
+                "code",
+                "enhanced_code",
+                "response",
+                "category",
+                "attempt",
+            ],
+            "properties": {
+                "queue_id": {"type": "string", "format": "uuid"},
+                "recipient_id": {"type": "string", "format": "uuid"},
+                "recipient": {"type": "string"},
+                "message_id": {"type": ["string", "null"], "description": "the Message-ID"},
+                "code": {"type": ["integer", "null"]},
+                "enhanced_code": {"type": ["string", "null"]},
+                "response": {"type": ["string", "null"]},
+                "category": {"type": ["string", "null"]},
+                "attempt": {"type": "integer", "description": "the recipient's delivery attempt"},
+            },
+        },
+    },
+}
+
+
+def _webhook_operation() -> dict[str, Any]:
+    def header(name: str, description: str) -> dict[str, Any]:
+        return {
+            "name": name,
+            "in": "header",
+            "required": True,
+            "schema": {"type": "string"},
+            "description": description,
+        }
+
+    return {
+        "operationId": "webhookEvent",
+        "summary": "An event POSTed to each endpoint of `pigeon-mta webhook add` that takes its "
+        "type, signed as the Standard Webhooks specification says",
+        "parameters": [
+            header("webhook-id", "the event's id: the same on every retry, to drop repeats by"),
+            header("webhook-timestamp", "Unix seconds"),
+            header("webhook-signature", "v1,<base64 HMAC-SHA256 of id.timestamp.body>"),
+        ],
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/WebhookEvent"}}
+            },
+        },
+        "responses": {
+            "2XX": {"description": "accepted; any other answer is retried until webhooks.max_age"}
+        },
+    }
+
 
 _TIMELINE: dict[str, Any] = {
     "type": "object",
@@ -501,6 +572,7 @@ def openapi_document() -> dict[str, Any]:
                 }
             },
         },
+        "webhooks": {"event": {"post": _webhook_operation()}},
         "components": {
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}},
             "schemas": {
@@ -513,6 +585,7 @@ def openapi_document() -> dict[str, Any]:
                 "MessagePage": _MESSAGE_PAGE,
                 "Suppression": _SUPPRESSION,
                 "NewSuppression": _NEW_SUPPRESSION,
+                "WebhookEvent": _WEBHOOK_EVENT,
             },
         },
     }

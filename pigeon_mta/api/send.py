@@ -233,8 +233,8 @@ class SendHandler:
                 len(message.recipients),
                 exc,
             )
-            if idempotency is not None:
-                await idempotency.forget(reception.queue_id)
+            # An Idempotency-Key keeps its claim: the commit may have happened with its answer
+            # lost (a connection broken during it), and a repeat then finds the message by its id.
             raise problems.database_unavailable("the message was not queued") from None
         return self._announce(message, reception, duplicates), duplicates is None
 

@@ -2,6 +2,7 @@
 
 Every worker process binds `[api] listen` with SO_REUSEPORT (as the SMTP listeners do, see
 submission/service.py) and queues through its own group commit, the one its SMTP listeners use.
+It reports its socket bound as they do, under the listener name `api` (observability/health.py).
 Every refusal leaves as `application/problem+json` (problems.py), aiohttp's own (404, 405, a body
 over the size limit) included; an unexpected error is logged and answered 500.
 """
@@ -24,8 +25,9 @@ from pigeon_mta.api.problems import Problem
 from pigeon_mta.api.reading import MessageReader
 from pigeon_mta.api.send import SendHandler
 from pigeon_mta.api.suppressions import SuppressionHandler
-from pigeon_mta.config import Settings
+from pigeon_mta.config import API_LISTENER, Settings
 from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.metrics import LISTENERS_BOUND
 from pigeon_mta.store.group_commit import GroupCommit
 from pigeon_mta.web import WebServer
 
@@ -142,6 +144,8 @@ class ApiService:
         *,
         delivery_log: DeliveryLog | None = None,
     ) -> None:
+        if settings.api.listen is None:
+            raise ValueError("'api.listen' is empty: the settings have no HTTP API to serve")
         self.settings = settings
         app = build_app(settings, pool, group_commit, delivery_log=delivery_log)
         self.server = WebServer(
@@ -163,6 +167,7 @@ class ApiService:
             raise RuntimeError(
                 f"the HTTP API cannot bind 'api.listen' {api.listen}: {exc.strerror or exc}"
             ) from None
+        LISTENERS_BOUND.labels(listener=API_LISTENER).set(1)
         log.info(
             "HTTP API on %s://%s",
             "https" if api.tls_cert else "http",
@@ -171,6 +176,7 @@ class ApiService:
 
     async def stop(self, deadline: float) -> None:
         """Stop accepting; requests under way (their commits included) get web.SHUTDOWN_TIMEOUT."""
+        LISTENERS_BOUND.labels(listener=API_LISTENER).set(0)
         await self.server.stop()
 
 

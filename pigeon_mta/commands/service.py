@@ -84,7 +84,7 @@ async def cmd_check_config(args: argparse.Namespace) -> int:
         "status": "ok",
         "hostname": settings.server.hostname,
         "listeners": ", ".join(_listener_text(lsn) for lsn in settings.listener),
-        "api": f"{'https' if settings.api.tls_cert else 'http'}://{settings.api.listen}",
+        "api": _api_text(settings),
         "database": _database_text(settings),
         "delivery": routing_summary(settings),
         "lanes": _lanes_text(settings),
@@ -98,6 +98,13 @@ async def cmd_check_config(args: argparse.Namespace) -> int:
 def _listener_text(listener: ListenerSettings) -> str:
     lane = f" (lane {listener.lane})" if listener.lane else ""
     return f"{listener.name}={listener.address}/{listener.mode}{lane}"
+
+
+def _api_text(settings: Settings) -> str:
+    api = settings.api
+    if api.listen is None:
+        return "off"
+    return f"{'https' if api.tls_cert else 'http'}://{api.listen}"
 
 
 def _lanes_text(settings: Settings) -> str:

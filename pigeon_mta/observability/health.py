@@ -1,13 +1,14 @@
 """Liveness and readiness of a node, and the queue gauges set from the supervisor's stats query.
 
 Ready means: not stopping, the database answers, at least one worker process has started all its
-services, and every configured listener is bound in at least one live worker process.
+services, and every configured listener, the HTTP API's included, is bound in at least one live
+worker process.
 
-How a listener reports "bound": the submission service sets the multiprocess gauge
-`metrics.LISTENERS_BOUND.labels(listener=name).set(1)` once its socket is listening, and `.set(0)`
-when it closes it. The node's value is the sum over live processes (a worker that dies stops
-counting, see `MetricsExposition.worker_exited`), so it also says in how many processes the
-listener is up.
+How a listener reports "bound": the submission service (and the API service, under the listener
+name `api`) sets the multiprocess gauge `metrics.LISTENERS_BOUND.labels(listener=name).set(1)` once
+its socket is listening, and `.set(0)` when it closes it. The node's value is the sum over live
+processes (a worker that dies stops counting, see `MetricsExposition.worker_exited`), so it also
+says in how many processes the listener is up.
 """
 
 from __future__ import annotations

@@ -83,13 +83,3 @@ async def remember_answer(
         status,
         response,
     )
-
-
-async def forget(db: Executor, org_id: uuid.UUID, key: str, queue_id: uuid.UUID) -> None:
-    """Give up a claim whose message was not queued, so that a repeat may queue it."""
-    await db.execute(
-        "DELETE FROM idempotency_key WHERE org_id = $1 AND key = $2 AND queue_id = $3",
-        org_id,
-        key,
-        queue_id,
-    )

@@ -21,7 +21,10 @@ from pigeon_mta.ids import new_id
 from pigeon_mta.store.executor import Executor
 
 # The event types an endpoint may ask for; `webhook add` subscribes to all of them by default.
-EVENT_TYPES = ("delivered", "deferred", "bounced", "expired", "suppressed")
+# The first five are recipient outcomes, written by the statements that record them. `complained`
+# is kept for complaint reports (ARF, RFC 5965, from feedback loops), which pigeon-mta does not
+# process: nothing writes it, and an endpoint may subscribe to it all the same.
+EVENT_TYPES = ("delivered", "deferred", "bounced", "expired", "suppressed", "complained")
 
 PENDING = "pending"
 DELIVERED = "delivered"

@@ -1,6 +1,7 @@
 """The HTTP API of the real `pigeon-mta serve` (two worker processes sharing `[api] listen`): a
 message sent over HTTP is delivered to a sink and `pigeon-mta log` tells its story; an
 Idempotency-Key repeated five times queues and delivers it once; README's Python example works.
+With `[api] listen = ""` no API port is bound and SMTP mail flows as usual.
 
 aiohttp client ──HTTP──► [api] listen 127.0.0.1:port ── pigeon-mta serve (2 workers) ── PostgreSQL
 pigeon-mta apikey add / log                                │ [delivery] relayhost
@@ -10,6 +11,7 @@ pigeon-mta apikey add / log                                │ [delivery] relayh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -22,10 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import aiosmtplib
 import asyncpg
 
 from tests.conftest import REPO, free_port, run_pigeon
-from tests.e2e.serve_process import ServeProcess, write_config
+from tests.e2e.serve_process import ServeProcess, descendants, write_config
+from tests.e2e.test_observability import answered, eventually
 from tests.peers.smtp_sink import SinkState, start_sink, stop_servers
 
 README = REPO / "README.md"
@@ -208,3 +212,87 @@ def test_serve_exits_non_zero_when_the_api_cannot_bind(tmp_path: Path, db_url: s
     assert code == 1, serve.output
     assert f"the HTTP API cannot bind 'api.listen' 127.0.0.1:{port}" in serve.output
     assert "Traceback" not in serve.output
+
+
+def listening_ports(pids: list[int]) -> set[int]:
+    """The TCP ports these processes listen on: their sockets' inodes, found in /proc/net/tcp*."""
+    inodes: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes.add(target[len("socket:[") : -1])
+    ports: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+async def test_an_empty_api_listen_binds_no_api_port_and_smtp_mail_is_delivered(
+    tmp_path: Path, db_url: str
+) -> None:
+    state = SinkState()
+    sink = await start_sink(state, "127.0.0.2", 0)
+    sink_port = sink.sockets[0].getsockname()[1]
+    smtp_port, metrics_port = free_port(), free_port()
+    config = write_config(
+        tmp_path,
+        f"""[server]
+hostname = "mta.test"
+data_dir = "{tmp_path}"
+node_name = "e2e-no-api"
+shutdown_timeout = "5s"
+[database]
+url = "{db_url}"
+[[listener]]
+name = "relay"
+address = "127.0.0.1:{smtp_port}"
+[api]
+listen = ""
+[metrics]
+listen = "127.0.0.1:{metrics_port}"
+[delivery]
+relayhost = "127.0.0.2:{sink_port}"
+poll_interval = "250ms"
+[log]
+delivery_log = ""
+""",
+    )
+    checked = run_pigeon("check-config", str(config), "--json")
+    assert checked.returncode == 0, checked.stderr
+    assert json.loads(checked.stdout)["api"] == "off"
+
+    serve = ServeProcess("--config", str(config), "--processes", "2")
+    try:
+        for worker in (0, 1):
+            await asyncio.to_thread(serve.wait_for, f"worker {worker} ready")
+        assert "HTTP API off ('api.listen' is empty)" in serve.output
+        assert "HTTP API on" not in serve.output
+        pids = [serve.proc.pid, *descendants(serve.proc.pid)]
+        assert listening_ports(pids) == {smtp_port, metrics_port}
+        ready = await asyncio.to_thread(
+            eventually, lambda: answered(metrics_port, "/readyz", 200), "ready"
+        )
+        assert "listener relay: ok" in ready[2].decode()
+        assert "api" not in ready[2].decode()  # no API listener to wait for
+
+        await aiosmtplib.send(
+            b"From: app@internal.test\r\nTo: ann@sink.test\r\nSubject: hi\r\n\r\nno API\r\n",
+            sender="app@internal.test",
+            recipients=["ann@sink.test"],
+            hostname="127.0.0.1",
+            port=smtp_port,
+            start_tls=False,
+            timeout=30,
+        )
+        await state.wait_for(lambda: state.deliveries() == {"ann@sink.test": 1})
+        assert serve.stop(signal.SIGTERM) == 0, serve.output
+        assert "Traceback" not in serve.output
+    finally:
+        serve.kill()
+        await stop_servers([sink])

@@ -42,7 +42,7 @@ async def test_add_prints_the_secret_once_and_list_shows_the_endpoint(
     listed = pigeon(db_url, "webhook", "list")
     assert (listed[0]["id"], listed[0]["url"], listed[0]["events"]) == (
         added["id"], "https://app.example/hooks",
-        "delivered,deferred,bounced,expired,suppressed",
+        "delivered,deferred,bounced,expired,suppressed,complained",
     )  # fmt: skip
     assert listed[1]["events"] == "bounced,expired"
     assert all(w["backlog"] == 0 and w["last_status"] is None for w in listed)
@@ -50,6 +50,20 @@ async def test_add_prints_the_secret_once_and_list_shows_the_endpoint(
     assert pigeon(db_url, "webhook", "list", "acme") == listed
     await pool.execute("INSERT INTO org (id, name) VALUES (gen_random_uuid(), 'other')")
     assert pigeon(db_url, "webhook", "list", "other") == []
+
+
+async def test_complained_is_an_event_type_an_endpoint_may_take(
+    db_url: str, pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """`complained` is accepted ahead of the complaint reports that would send it."""
+    added = pigeon(
+        db_url, "webhook", "add", "acme", "https://app.example/fbl", "--events", "complained"
+    )
+    stored = await pool.fetchval("SELECT events FROM webhook WHERE id = $1", uuid.UUID(added["id"]))
+    assert stored == ["complained"]
+    assert pigeon(db_url, "webhook", "list")[0]["events"] == "complained"
+    refused = failing(db_url, "webhook", "add", "acme", "https://x.example/", "--events", "spam")
+    assert refused.endswith("bounced, expired, suppressed, complained"), refused
 
 
 async def test_remove_deletes_the_endpoint_and_its_events(

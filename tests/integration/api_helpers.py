@@ -35,7 +35,11 @@ class Api:
 
 
 @asynccontextmanager
-async def running_api(pool: asyncpg.Pool, settings: Settings | None = None) -> AsyncIterator[Api]:
+async def running_api(
+    pool: asyncpg.Pool, settings: Settings | None = None, *, commit_pool: asyncpg.Pool | None = None
+) -> AsyncIterator[Api]:
+    """The API on `pool`; its group commit on `commit_pool` when given (as a worker's has a pool
+    of its own, store/connect.py)."""
     settings = settings or Settings()
     settings = dataclasses.replace(
         settings, api=dataclasses.replace(settings.api, listen=HostPort("127.0.0.1", free_port()))
@@ -49,7 +53,8 @@ async def running_api(pool: asyncpg.Pool, settings: Settings | None = None) -> A
     revoked_row, revoked_key = await store_apikeys.add_api_key(pool, acme)
     await store_apikeys.revoke_api_key(pool, revoked_row.id)
     queued: list[int] = []
-    service = ApiService(settings, pool, GroupCommit(pool, on_queued=queued.append))
+    group_commit = GroupCommit(commit_pool or pool, on_queued=queued.append)
+    service = ApiService(settings, pool, group_commit)
     await service.start()
     try:
         scheme = "https" if settings.api.tls_cert else "http"

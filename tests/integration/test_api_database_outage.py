@@ -1,19 +1,25 @@
 """The database goes away under the running API: requests get 503 with Retry-After and nothing is
-queued; once it is back, the API serves again by itself.
+queued; once it is back, the API serves again by itself. A commit whose answer is lost is not
+queued again by a repeat with the same Idempotency-Key.
 
 aiohttp client ──HTTP──► ApiService 127.0.0.1:<free port> ──X── PostgreSQL (connections refused)
+                                      └─ group commit ──► CommitCutter (loopback) ──► PostgreSQL
 """
 
 from __future__ import annotations
 
 import json
-from urllib.parse import urlsplit
+import uuid
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import asyncpg
 
 from pigeon_mta.api.problems import TYPE_PREFIX
+from pigeon_mta.config import Settings
+from pigeon_mta.store import connect as store_connect
 from tests.integration.api_helpers import running_api
+from tests.peers.pg_relay import CommitCutter
 
 
 async def set_reachable(admin_url: str, db_url: str, reachable: bool) -> None:
@@ -83,3 +89,51 @@ async def test_the_reading_routes_answer_503_while_the_database_is_away(
             await set_reachable(admin_url, db_url, True)
         async with session.get(api.url + "/v1/messages", headers=headers) as answer:
             assert answer.status == 200, await answer.text()
+
+
+async def test_a_repeat_after_a_lost_commit_answer_queues_nothing_and_answers_202(
+    pool: asyncpg.Pool, db_url: str
+) -> None:
+    """The message of a request with an Idempotency-Key is committed, but the connection breaks
+    before pigeon hears so: the request gets 503. Its repeats answer 202 with that message, and
+    the message is queued once."""
+    parts = urlsplit(db_url)
+    assert parts.hostname is not None, "the relay needs PostgreSQL on TCP"
+    cutter = CommitCutter(parts.hostname, parts.port or 5432)
+    port = await cutter.start()
+    user = parts.netloc.rpartition("@")[0]
+    relayed = urlunsplit(parts._replace(netloc=f"{user}@127.0.0.1:{port}", query="sslmode=disable"))
+    commit_pool = await store_connect.commit_pool(relayed, Settings())
+    message = {"from": "shop@acme.example", "to": "ann@dest.example", "text": "once"}
+    try:
+        async with (
+            running_api(pool, commit_pool=commit_pool) as api,
+            aiohttp.ClientSession() as session,
+        ):
+            headers = {"Authorization": f"Bearer {api.key}"}
+
+            async def send(**extra: str) -> tuple[int, bytes]:
+                async with session.post(
+                    api.url + "/v1/messages", json=message, headers=headers | extra
+                ) as answer:
+                    return answer.status, await answer.read()
+
+            # A first message prepares the enqueue on the commit connection: the next command
+            # the relay sees completing there is the enqueue of the keyed request.
+            status, body = await send()
+            assert status == 202, body
+            first = uuid.UUID(json.loads(body)["queue_id"])
+
+            cutter.cut_next_commit()
+            status, body = await send(**{"Idempotency-Key": "lost-1"})
+            assert cutter.cut.is_set()
+            assert status == 503, body
+            [lost] = await pool.fetch("SELECT id FROM message WHERE id <> $1", first)
+
+            repeats = [await send(**{"Idempotency-Key": "lost-1"}) for _ in range(3)]
+            assert len(set(repeats)) == 1 and repeats[0][0] == 202, repeats
+            assert json.loads(repeats[0][1])["queue_id"] == str(lost["id"])
+            assert await pool.fetchval("SELECT count(*) FROM message") == 2
+    finally:
+        await commit_pool.close()
+        await cutter.stop()

@@ -16,6 +16,7 @@ from pigeon_mta.api import problems
 from pigeon_mta.api.server import build_app
 from pigeon_mta.config import Settings
 from pigeon_mta.store.group_commit import GroupCommit
+from pigeon_mta.store.webhooks import EVENT_TYPES
 from tests.integration.api_helpers import running_api
 
 
@@ -45,3 +46,12 @@ async def test_the_document_is_valid_openapi_3_1_with_every_route(pool: asyncpg.
     statuses = {int(status) for status in send["responses"]} - {202}
     # Every problem the send route can give has its status described (404/405/500 are any route's).
     assert {kind.status for kind in problems.ALL} - {404, 405, 500} == statuses
+
+    # The webhook requests pigeon-mta makes, with every event type an endpoint may take.
+    body = document["webhooks"]["event"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"] == {"$ref": "#/components/schemas/WebhookEvent"}
+    event = document["components"]["schemas"]["WebhookEvent"]
+    assert event["properties"]["type"]["enum"] == list(EVENT_TYPES)
+    assert set(EVENT_TYPES) == {
+        "delivered", "deferred", "bounced", "expired", "suppressed", "complained",
+    }  # fmt: skip

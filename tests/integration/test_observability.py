@@ -27,6 +27,7 @@ from pigeon_mta.observability.exposition import MetricsExposition, remove_stale_
 from pigeon_mta.observability.health import Readiness
 from pigeon_mta.observability.http import ObservabilityServer
 from tests.conftest import REPO, free_port
+from tests.integration.api_helpers import running_api
 from tests.observe_helpers import http, promtool
 
 WORKER = textwrap.dedent(
@@ -180,12 +181,14 @@ def gauges() -> Iterator[None]:
         metrics.WORKERS_READY,
         metrics.LISTENERS_BOUND.labels(listener="relay"),
         metrics.LISTENERS_BOUND.labels(listener="submission"),
+        metrics.LISTENERS_BOUND.labels(listener="api"),
     ):
         gauge.set(0)
     yield
     metrics.WORKERS_READY.set(0)
     metrics.LISTENERS_BOUND.labels(listener="relay").set(0)
     metrics.LISTENERS_BOUND.labels(listener="submission").set(0)
+    metrics.LISTENERS_BOUND.labels(listener="api").set(0)
 
 
 @pytest.fixture
@@ -228,6 +231,27 @@ async def test_ready_needs_a_worker_and_every_listener_bound(server: Observabili
     status, _headers, body = await get(server.port, "/readyz")
     assert status == 503 and "stopping" in body.decode()
     assert (await get(server.port, "/healthz"))[0] == 200
+
+
+async def test_not_ready_while_the_http_api_is_not_bound(pool: asyncpg.Pool, gauges: None) -> None:
+    """The API's listener counts as an SMTP listener does: bound while its ApiService listens."""
+    exposition = MetricsExposition(None)
+    readiness = Readiness(pool, exposition, ["api"], 1, asyncio.Event())
+    server = ObservabilityServer(HostPort("127.0.0.1", free_port()), exposition, readiness)
+    await server.start()
+    try:
+        metrics.WORKERS_READY.set(1)
+        status, _headers, body = await get(server.port, "/readyz")
+        assert status == 503
+        assert "listener api: FAIL (bound in 0 process(es))" in body.decode().splitlines()
+        async with running_api(pool):
+            status, _headers, body = await get(server.port, "/readyz")
+            assert status == 200, body
+            assert "listener api: ok (bound in 1 process(es))" in body.decode().splitlines()
+        status, _headers, body = await get(server.port, "/readyz")
+        assert status == 503 and "listener api: FAIL" in body.decode()
+    finally:
+        await server.stop()
 
 
 async def test_http_answers_metrics_health_and_errors(server: ObservabilityServer) -> None:

@@ -243,12 +243,22 @@ def test_api_listens_on_8025_by_default_and_takes_a_certificate_with_its_key(
     assert s.api.read_timeout == 5
 
 
+def test_an_empty_api_listen_is_no_api_and_takes_no_address(tmp_path: Path) -> None:
+    # The API's default address is free for metrics once the API has none.
+    text = '[api]\nlisten = ""\n[metrics]\nlisten = "127.0.0.1:8025"\n'
+    s = load_settings(write(tmp_path, text), env={})
+    assert s.api.listen is None
+    assert s.metrics.listen == HostPort("127.0.0.1", 8025)
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
         ('[api]\ntls_cert = "c.pem"\n', "set both 'api.tls_cert' and 'api.tls_key', or neither"),
         ('[api]\ntls_key = "k.pem"\n', "set both 'api.tls_cert' and 'api.tls_key', or neither"),
         ('[api]\nlisten = "8025"\n', "bad value for 'api.listen'"),
+        ('[api]\nlisten = " "\n', "bad value for 'api.listen'"),
+        ("[api]\nlisten = 8025\n", "bad value for 'api.listen'"),
         ('[api]\nread_timeout = "0s"\n', "'api.read_timeout' must be more than zero"),
         ('[api]\nlistn = "127.0.0.1:8025"\n', "unknown key 'api.listn'"),
         (

@@ -134,6 +134,7 @@ def test_check_config_prints_warnings_on_stderr_and_still_succeeds(tmp_path: Pat
         ('listen = "[::]:8025"\n', True),
         ('listen = "127.0.0.1:8025"\n', False),
         ('listen = "localhost:8025"\n', False),
+        ('listen = ""\n', False),
         (f'listen = "0.0.0.0:8025"\n{CERT}', False),
     ],
 )
