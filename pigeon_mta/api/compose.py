@@ -141,7 +141,25 @@ def from_json(body: bytes, limits: LimitsSettings) -> Submission:
 # before it is set (addresses by parse_mailbox, text for CR, LF and control characters), so
 # there is nothing left for them to find; what they did besides, encoded words for non-ASCII
 # text and folding at 78 columns, the compat32 generator does as well.
-_WRITE = email.policy.compat32.clone(linesep="\r\n")
+
+
+class _Write(email.policy.Compat32):
+    """compat32 that writes a field which fits on its line as it is: compat32 makes a Header of
+    every value to fold it, a third of the time the message takes to write."""
+
+    def _fold(self, name: str, value: Any, sanitize: bool) -> str:
+        if (
+            isinstance(value, str)
+            and len(name) + 2 + len(value) <= (self.max_line_length or 78)
+            and value.isascii()
+            and "\r" not in value
+            and "\n" not in value
+        ):
+            return f"{name}: {value}{self.linesep}"
+        return str(super()._fold(name, value, sanitize))  # type: ignore[misc]
+
+
+_WRITE = _Write(linesep="\r\n")
 _LINE = _WRITE.max_line_length or 78
 _UTF8 = Charset("utf-8")
 _UTF8.body_encoding = QP  # quoted-printable: 7-bit for destinations without 8BITMIME
