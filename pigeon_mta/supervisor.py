@@ -1,6 +1,7 @@
 """Processes and signals of `pigeon-mta serve`: the worker processes, SIGTERM/SIGINT/SIGHUP, drain.
 
-One node runs one supervisor. The supervisor locks its data_dir, finds (or starts) the database and
+One node runs one supervisor. The supervisor locks its data_dir, makes sure that no other process
+listens on the ports its workers share (pigeon_mta/ports.py), finds (or starts) the database and
 prepares it (pigeon_mta/app.py, pigeon_mta/node.py); then it runs the queue maintenance
 (pigeon_mta/maintenance.py) and the worker processes. With one process the worker runs inside the
 supervisor; with several, each is a child process sharing the listening ports through SO_REUSEPORT.
@@ -19,7 +20,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
-from pigeon_mta import app, metrics, node
+from pigeon_mta import app, metrics, node, ports
 from pigeon_mta.app import Service
 from pigeon_mta.config import Settings
 from pigeon_mta.logs import configured_level, setup_logging
@@ -55,6 +56,9 @@ async def serve(settings: Settings, *, processes: int | None = None) -> int:
     setup_logging(configured_level(settings.log.level), settings.log.format)
     # Held for the life of this process (the kernel drops it however the process ends).
     with node.data_dir_lock(settings.server.data_dir) as lock:
+        # Before anything starts: another process listening on a shared port would get a share
+        # of this node's clients without a word (pigeon_mta/ports.py).
+        await asyncio.to_thread(ports.refuse_if_taken, settings)
         run = node.NodeRun(settings.server.node_name)
         lock.record(run)
         return await Supervisor(settings).serve(processes, run, lock)

@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.conftest import REPO, pigeon_command
+from tests.conftest import REPO, free_port, pigeon_command
 
 # Every serve started by a test, so that the session can kill what a test left behind (a test
 # that hit its timeout may never reach its own cleanup).
@@ -116,6 +116,12 @@ def descendants(pid: int) -> list[int]:
 
 
 def write_config(directory: Path, text: str) -> Path:
+    """`text` as `directory`/pigeon.toml. A config without an [api] table gets an API port of its
+    own: the default 127.0.0.1:8025 is one port for every serve on the host, and a serve whose
+    port another process listens on is refused (pigeon_mta/ports.py)."""
+    if "[api]" not in text:
+        # A dotted key first: the text's last table stays last, for tests that append to it.
+        text = f'api.listen = "127.0.0.1:{free_port()}"\n' + text
     path = directory / "pigeon.toml"
     path.write_text(text)
     return path

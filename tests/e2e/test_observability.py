@@ -175,7 +175,7 @@ def test_one_process_metrics_health_queue_gauges_and_expiry(
         "ready",
         "database: ok (reachable)",
         "workers: ok (1 of 1 worker process(es) ready)",
-        "listener api: ok (bound in 1 process(es))",  # [api] listen, by default 127.0.0.1:8025
+        "listener api: ok (bound in 1 process(es))",  # [api] listen, from write_config
     ]
 
     def queue_published() -> Samples | None:
