@@ -235,6 +235,16 @@ def run_pigeon(
     )
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """On several workers (scripts/test: pytest-xdist with --dist loadgroup), the end-to-end
+    tests run one after another on one worker: each starts serve processes of two processes or
+    more, and some measure rates and delays that two of them at once on two cores would skew."""
+    e2e = REPO / "tests" / "e2e"
+    for item in items:
+        if item.path.is_relative_to(e2e):
+            item.add_marker(pytest.mark.xdist_group("e2e"))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Stop every `pigeon-mta serve` a test started and left running (by its PID)."""
     from tests.e2e.serve_process import kill_leftovers
