@@ -132,7 +132,7 @@ class FreshDatabases:
         return made
 
     def drop(self, name: str) -> None:
-        self._dropped.append(self._run(self._drop(name)))
+        self._dropped.append(self._run(self._drop_database(name)))
 
     def close(self) -> None:
         """Drop what was made and not taken, and stop; a failed drop fails the session."""
@@ -168,7 +168,7 @@ class FreshDatabases:
         else:
             self._ready.put(name)
 
-    async def _drop(self, name: str) -> None:
+    async def _drop_database(self, name: str) -> None:
         await self._pool.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
