@@ -1,7 +1,8 @@
 """Node identity against the real `pigeon-mta serve`: one live run per node name and per data_dir.
 
     smtplib (test) --SMTP--> relay listener of serve A (node "twin", data_dir a/)
-        serve A --SMTP (relayhost)--> sink 127.0.0.2 (the reply to the final dot waits 8 s)
+        serve A --SMTP (relayhost)--> sink 127.0.0.2 (the reply to the final dot waits until
+                                      the test releases it)
     serve B: the same node name from another data_dir (another host), or the same data_dir
         serve A, serve B --SQL--> PostgreSQL (this test's own database)
 
@@ -28,12 +29,12 @@ from tests.conftest import free_port
 from tests.e2e.serve_process import ServeProcess, descendants, write_config
 from tests.peers.smtp_sink import SinkState, start_sink, stop_servers
 
-RECIPIENT = "slow@dest.test"
+RECIPIENT = "held@dest.test"
 
 
 @pytest.fixture
 async def sink() -> AsyncIterator[tuple[SinkState, int]]:
-    state = SinkState(slow_seconds=8)
+    state = SinkState()
     server = await start_sink(state, "127.0.0.2")
     try:
         yield state, server.sockets[0].getsockname()[1]
@@ -123,14 +124,15 @@ async def delivered(pool: asyncpg.Pool, state: SinkState) -> None:
 async def refused_without_touching_the_claim(
     second: ServeProcess, pool: asyncpg.Pool, state: SinkState
 ) -> None:
-    """`second` started while the first node's claim waits at the sink: the message is delivered
-    once, by that claim, and `second` exits 1."""
+    """`second` started while the first node's claim waits at the sink exits 1; the sink then
+    answers, and the message is delivered once, by that claim."""
+    assert await refused(second) == 1, second.output
+    state.release.set()
     await delivered(pool, state)
     assert state.deliveries() == {RECIPIENT: 1}
     # One claim, never freed: a freed lease leaves a 'deferred' attempt and a second claim.
     assert await pool.fetchval("SELECT attempts FROM recipient") == 1
     assert await pool.fetchval("SELECT count(*) FROM attempt WHERE outcome = 'deferred'") == 0
-    assert await refused(second) == 1, second.output
 
 
 async def test_a_second_node_with_the_name_of_a_live_node_is_refused_and_frees_nothing(
@@ -162,6 +164,7 @@ async def test_after_kill_9_the_name_is_taken_once_the_heartbeat_is_stale_and_le
         owner = await mid_data(tmp_path / "a" / "pigeon.toml", state, pool)
     finally:
         first.kill()
+    state.release.set()  # the next claim is answered at once
     other_host = node_config(tmp_path / "b", db_url, port)
     # From another host a fresh heartbeat is all there is to go by: A may still be alive.
     early = ServeProcess("--config", str(other_host))
@@ -194,6 +197,7 @@ async def test_a_restart_on_the_same_data_dir_after_kill_9_starts_at_once_and_fr
         owner = await mid_data(config, state, pool)
     finally:
         first.kill()
+    state.release.set()  # the next claim is answered at once
     again = await start(config)
     try:
         again.wait_for("freed 1 recipient(s) that node twin held when it last stopped")

@@ -13,6 +13,7 @@ The local part up to a "+" names the behaviour (`tempfail+7@example.test`):
     drop-after-dot   the first time: the whole message is read, then the connection is cut
                      before the reply (the message counts as received: a possible duplicate)
     slow             the reply to the final dot waits `slow_seconds`
+    held             the reply to the final dot waits until the test sets `release`
     hang-data        the first time: the whole message is read, then the final dot never gets a
                      reply (until the client goes away); afterwards accept
     hang             RCPT never gets a reply (until the client goes away)
@@ -72,6 +73,8 @@ class SinkState:
     mail_times: collections.deque[float] = field(default_factory=collections.deque)
     throttled: list[float] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # What the final dot of a `held` recipient waits for.
+    release: asyncio.Event = field(default_factory=asyncio.Event)
 
     def deliveries(self) -> collections.Counter[str]:
         """How many times each address received a message that the sink answered with 250."""
@@ -190,6 +193,8 @@ class SinkHandler:
             await asyncio.sleep(3600)  # cancelled when the client gives up and hangs up
         if "slow" in kinds:
             await asyncio.sleep(state.slow_seconds)
+        if "held" in kinds:
+            await state.release.wait()
         self._end(session)
         if "reject-data" in kinds:
             state._note()

@@ -42,7 +42,7 @@ def test_the_test_command_is_the_setup_script_and_runs_pytest() -> None:
     assert os.access(TEST_SCRIPT, os.X_OK)
     script = TEST_SCRIPT.read_text()
     assert "pip install -q -e '.[test]'" in script
-    assert script.rstrip().endswith('exec .venv/bin/python -m pytest -q "$@"')
+    assert script.rstrip().endswith('exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup "$@"')
 
 
 def test_every_debian_package_the_tests_ask_for_is_installed_by_the_test_command() -> None:
