@@ -51,6 +51,11 @@ log = logging.getLogger("pigeon_mta.api")
 
 JSON = "application/json"
 RAW = "message/rfc822"
+# A commit that failed may have happened all the same, its answer lost with the connection.
+_NOT_CONFIRMED = (
+    "the message may not be queued: send the request again (with the same Idempotency-Key it is "
+    "queued at most once)"
+)
 
 
 class SendHandler:
@@ -227,7 +232,7 @@ class SendHandler:
             return reception.queue_id, False
         except DB_ERRORS as exc:
             log.warning(
-                "not queued (503 sent): key=%s from=<%s> nrcpt=%d: database trouble: %s",
+                "not confirmed (503 sent): key=%s from=<%s> nrcpt=%d: database trouble: %s",
                 key.id,
                 message.sender,
                 len(message.recipients),
@@ -235,7 +240,8 @@ class SendHandler:
             )
             # An Idempotency-Key keeps its claim: the commit may have happened with its answer
             # lost (a connection broken during it), and a repeat then finds the message by its id.
-            raise problems.database_unavailable("the message was not queued") from None
+            # So the answer cannot say "not queued".
+            raise problems.database_unavailable(_NOT_CONFIRMED) from None
         return self._announce(message, reception, duplicates), duplicates is None
 
     def _announce(

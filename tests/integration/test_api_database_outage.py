@@ -128,6 +128,9 @@ async def test_a_repeat_after_a_lost_commit_answer_queues_nothing_and_answers_20
             status, body = await send(**{"Idempotency-Key": "lost-1"})
             assert cutter.cut.is_set()
             assert status == 503, body
+            # The message is queued, so the answer must not say it is not.
+            detail = json.loads(body)["detail"]
+            assert "may not be queued" in detail and "same Idempotency-Key" in detail, detail
             [lost] = await pool.fetch("SELECT id FROM message WHERE id <> $1", first)
 
             repeats = [await send(**{"Idempotency-Key": "lost-1"}) for _ in range(3)]
