@@ -84,8 +84,9 @@ class Envelope:
     # Set by the group commit when this process's engine takes the message as it is committed
     # (store/group_commit.py): its recipients are queued already claimed by that engine.
     handoff: Handoff | None = None
-    # The ids of its recipient rows, one per recipient in order, when the submitter made them (the
-    # HTTP API answers with them without reading them back); made at the enqueue when empty.
+    # The ids of its recipient rows, one per recipient in order: made by the submitter (the HTTP
+    # API answers with them without reading them back) or by the group commit when it hands the
+    # message off; else at the enqueue.
     recipient_ids: tuple[uuid.UUID, ...] = ()
 
 
@@ -98,7 +99,6 @@ class Handoff:
 
     owner: str
     lease: float
-    recipient_ids: tuple[uuid.UUID, ...]  # one per recipient, in the envelope's order
 
 
 def storable_text(text: str | None) -> str | None:

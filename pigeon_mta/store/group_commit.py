@@ -153,9 +153,9 @@ class GroupCommit:
         if room is None:
             return envelope
         owner, lease = room
+        # The engine is handed the rows by id: the ids are made now if the submitter did not.
         ids = envelope.recipient_ids or tuple(new_ids(len(envelope.recipients)))
-        handoff = Handoff(owner, lease, ids)
-        return dataclasses.replace(envelope, handoff=handoff)
+        return dataclasses.replace(envelope, handoff=Handoff(owner, lease), recipient_ids=ids)
 
     def _deliver(self, queue_id: uuid.UUID, e: Envelope, enqueued: Enqueued) -> None:
         """After the commit: hand the message to the engine, or announce it to the claimers."""
@@ -180,7 +180,7 @@ class GroupCommit:
                                 suppressed=enqueued.suppressed.get(rid),
                             ),
                         )
-                        for rid, address in zip(e.handoff.recipient_ids, e.recipients, strict=True)
+                        for rid, address in zip(e.recipient_ids, e.recipients, strict=True)
                     ]
                 )
                 return

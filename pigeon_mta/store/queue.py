@@ -154,13 +154,12 @@ async def enqueue_many(
 
 
 def recipient_ids(e: Envelope) -> Sequence[uuid.UUID]:
-    """The ids its recipient rows get: the handoff's, the envelope's, or new ones."""
-    ids = e.handoff.recipient_ids if e.handoff is not None else e.recipient_ids
-    if not ids:
+    """The ids its recipient rows get: the envelope's, or new ones."""
+    if not e.recipient_ids:
         return new_ids(len(e.recipients))
-    if len(ids) != len(e.recipients):
+    if len(e.recipient_ids) != len(e.recipients):
         raise ValueError("a message names one id per recipient, or none")
-    return ids
+    return e.recipient_ids
 
 
 def one_columns(queue_id: uuid.UUID, e: Envelope) -> list[object]:
