@@ -274,28 +274,34 @@ class SendHandler:
             queued = None
         order = {address: i for i, address in enumerate(recipients)}
         message_id, rows = queued if queued is not None else (None, [])
-        ids = {address: recipient_id for recipient_id, address in rows}
-        listed = sorted(ids, key=lambda a: order.get(a, len(order))) if ids else list(recipients)
-        body = {
-            "queue_id": str(queue_id),
-            "message_id": message_id,
-            "recipients": [{"address": a, "id": str(ids[a]) if a in ids else None} for a in listed],
-        }
-        return 202, json.dumps(body).encode()
+        ids: dict[str, uuid.UUID | None] = {address: recipient_id for recipient_id, address in rows}
+        if ids:
+            ids = dict(sorted(ids.items(), key=lambda item: order.get(item[0], len(order))))
+        else:
+            ids = dict.fromkeys(recipients)
+        return 202, _body(queue_id, message_id, ids)
 
 
 def _accepted(queue_id: uuid.UUID, message: model.Envelope) -> bytes:
     """The 202's body for a message queued as sent, from its envelope: the same as `_answer`
     reads back (each address once, in the request's order)."""
-    ids: dict[str, uuid.UUID] = {}
+    ids: dict[str, uuid.UUID | None] = {}
     for address, recipient_id in zip(message.recipients, message.recipient_ids, strict=True):
         ids.setdefault(address, recipient_id)
-    body = {
-        "queue_id": str(queue_id),
-        "message_id": message.header_message_id,
-        "recipients": [{"address": a, "id": str(i)} for a, i in ids.items()],
-    }
-    return json.dumps(body).encode()
+    return _body(queue_id, message.header_message_id, ids)
+
+
+def _body(queue_id: uuid.UUID, message_id: str | None, ids: dict[str, uuid.UUID | None]) -> bytes:
+    """`{queue_id, message_id, recipients: [{address, id}]}`, the recipients in `ids`' order."""
+    return json.dumps(
+        {
+            "queue_id": str(queue_id),
+            "message_id": message_id,
+            "recipients": [
+                {"address": a, "id": str(i) if i is not None else None} for a, i in ids.items()
+            ],
+        }
+    ).encode()
 
 
 def _compose(request: web.Request, body: bytes, settings: Settings) -> Submission:
