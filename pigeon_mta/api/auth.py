@@ -30,11 +30,14 @@ class Authenticator:
         """`cache`: seconds a found key is remembered (a revoked key is refused at the latest
         that long after its revocation)."""
         self.pool = pool
-        self._found: Memo[str, ApiKey | None] = Memo(cache, clock=clock)
+        # By the key's hash, as the table keeps it: the process holds no key past its request.
+        self._found: Memo[bytes, ApiKey | None] = Memo(cache, clock=clock)
 
     async def find(self, key: str) -> ApiKey | None:
         """The unrevoked key `key` is, or None (raises on database trouble)."""
-        return await self._found.get(key, lambda: store_apikeys.find_active_key(self.pool, key))
+        return await self._found.get(
+            store_apikeys.key_hash(key), lambda: store_apikeys.find_active_key(self.pool, key)
+        )
 
     async def __call__(self, request: web.Request) -> ApiKey:
         """The unrevoked key the request carries; a Problem (401, or 503 on database trouble)."""
