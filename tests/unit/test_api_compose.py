@@ -97,6 +97,32 @@ def test_every_line_fits_seven_bit_transport_and_the_text_comes_back_the_same() 
     assert submission.data.count(b"MIME-Version:") == 1
 
 
+def test_names_with_specials_html_alone_and_a_non_ascii_file_name_come_back_the_same() -> None:
+    _recipients, message = build(
+        **{"from": 'Shop "North", Ltd <shop@acme.example>'},
+        to=["Doe, Jane <jane@dest.example>", "x@dest.example"],
+        reply_to="Zoë <help@acme.example>",
+        html="<p>only html</p>",
+        attachments=[
+            {
+                "filename": "Rechnung März.pdf",
+                "content_type": "application/pdf",
+                "content": base64.b64encode(b"%PDF").decode(),
+            }
+        ],
+    )
+    assert message["From"].addresses[0].display_name == 'Shop "North", Ltd'
+    assert [a.display_name for a in message["To"].addresses] == ["Doe, Jane", ""]
+    assert message["Reply-To"] == "Zoë <help@acme.example>"
+    body = message.get_body(("html", "plain"))
+    assert body is not None and body.get_content_type() == "text/html"
+    assert body.get_content() == "<p>only html</p>\r\n"
+    (attachment,) = list(message.iter_attachments())
+    assert attachment.get_filename() == "Rechnung März.pdf"
+    assert attachment.get_content() == b"%PDF"
+    assert message.as_bytes(policy=email.policy.SMTP).isascii()
+
+
 def test_recipients_are_to_cc_and_bcc_once_each_and_bcc_stays_out_of_the_header() -> None:
     recipients, message = build(
         **{"from": "j@acme.example"},
