@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -19,6 +20,8 @@ import asyncpg
 import pytest
 
 from pigeon_mta.api.problems import CONTENT_TYPE, TYPE_PREFIX
+from pigeon_mta.config import Duration, Settings
+from pigeon_mta.store import apikeys as store_apikeys
 from tests.integration.api_helpers import Api, running_api
 
 GOOD: dict[str, Any] = {
@@ -319,3 +322,20 @@ async def test_idempotency_key_repeats_answer_once_and_another_body_is_refused(
     )
     assert status == 202
     assert await pool.fetchval("SELECT count(*) FROM message") == 2
+
+
+@pytest.mark.parametrize(("auth_cache", "after_revoking"), [(0.0, 401), (3600.0, 202)])
+async def test_a_key_revoked_while_the_server_runs_is_refused_as_api_auth_cache_says(
+    pool: asyncpg.Pool, auth_cache: float, after_revoking: int
+) -> None:
+    settings = Settings()
+    settings = dataclasses.replace(
+        settings, api=dataclasses.replace(settings.api, auth_cache=Duration(auth_cache))
+    )
+    async with running_api(pool, settings) as api:
+        status, _h, body = await post(api, GOOD)
+        assert status == 202, body
+        assert await store_apikeys.revoke_api_key(pool, api.key_id) is not None
+        # "0" asks the database at every request; a long cache keeps the found key that long.
+        status, _h, body = await post(api, GOOD)
+        assert status == after_revoking, body
