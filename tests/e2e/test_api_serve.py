@@ -11,7 +11,6 @@ pigeon-mta apikey add / log                                │ [delivery] relayh
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
@@ -29,6 +28,7 @@ import asyncpg
 
 from tests.conftest import REPO, free_port, run_pigeon
 from tests.e2e.serve_process import ServeProcess, descendants, write_config
+from tests.e2e.tcp_table import LISTEN, socket_inodes, tcp_sockets
 from tests.e2e.test_observability import answered, eventually
 from tests.peers.smtp_sink import SinkState, start_sink, stop_servers
 
@@ -215,22 +215,9 @@ def test_serve_exits_non_zero_when_the_api_cannot_bind(tmp_path: Path, db_url: s
 
 
 def listening_ports(pids: list[int]) -> set[int]:
-    """The TCP ports these processes listen on: their sockets' inodes, found in /proc/net/tcp*."""
-    inodes: set[str] = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    if target.startswith("socket:["):
-                        inodes.add(target[len("socket:[") : -1])
-    ports: set[int] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+    """The TCP ports these processes listen on."""
+    inodes = socket_inodes(pids)
+    return {s.local_port for s in tcp_sockets() if s.state == LISTEN and s.inode in inodes}
 
 
 async def test_an_empty_api_listen_binds_no_api_port_and_smtp_mail_is_delivered(

@@ -19,6 +19,7 @@ import pytest
 from pigeon_mta.config import HostPort
 from tests.conftest import free_port
 from tests.e2e.serve_process import ServeProcess, write_config
+from tests.e2e.tcp_table import TIME_WAIT, tcp_sockets
 
 REFUSED = "the address is in use by another process (another pigeon-mta serve?)"
 
@@ -99,13 +100,8 @@ def test_serve_refuses_an_api_listen_address_another_process_listens_on(
 
 
 def time_wait_ports() -> set[int]:
-    """Local ports of the IPv4 TCP connections in TIME_WAIT (state 06 of /proc/net/tcp)."""
-    ports: set[int] = set()
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if fields[3] == "06":
-            ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+    """Local ports of the TCP connections in TIME_WAIT."""
+    return {s.local_port for s in tcp_sockets() if s.state == TIME_WAIT}
 
 
 def quit_and_wait_for_the_server_to_close(port: int) -> None:
