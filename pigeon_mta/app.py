@@ -195,6 +195,10 @@ async def worker_services(
         # which also sends one coalesced NOTIFY for the other processes and nodes when this
         # engine cannot take all.
         waker = QueueWaker(lambda: store_connect.connect(url, settings))
+        # The webhook sender takes the events of this process's recorded outcomes straight
+        # from the record (outbound/recorder.py), and claims from the outbox only what others
+        # wrote or left there.
+        webhooks = WebhookSender(settings.webhooks, pool)
         engine = None
         if settings.delivery.enabled:
             engine = DeliveryEngine(
@@ -205,13 +209,14 @@ async def worker_services(
                 waker=waker,
                 lease_owner=lease_owner,
                 record_pool=record_pool,
+                webhooks=webhooks,
             )
         # No NOTIFY for what this process's own engine takes at once (NotifySender).
         notifier = NotifySender(pool, waker, local_takes=engine.takes if engine else None)
         services: list[Service] = [_Resources([signer.close, delivery_log.close], notifier)]
         # The webhook sender stops after the engine, sending the events of its last outcomes;
         # it holds its own slots per endpoint and never waits on the engine (webhooks/sender.py).
-        services.append(WebhookSender(settings.webhooks, pool))
+        services.append(webhooks)
         # The engine stops after the listeners, delivering what they queued.
         if engine is not None:
             services.append(engine)

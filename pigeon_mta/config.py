@@ -444,7 +444,9 @@ class WebhookSettings:
     # The delay before the first retry; each retry doubles it, up to retry_max.
     retry_initial: Duration = Duration(10)
     retry_max: Duration = Duration(3600)
-    # How often a sender looks for due events while it has nothing in flight.
+    # How often a sender looks in the outbox for due events (retries, events written by other
+    # processes or beyond its room) at least; the events of its own process's outcomes are
+    # handed to it by the record that writes them.
     poll_interval: Duration = Duration(1)
 
 

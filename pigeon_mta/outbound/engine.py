@@ -35,7 +35,7 @@ from pigeon_mta.outbound.claims import Claims, group_deliveries
 from pigeon_mta.outbound.courier import Courier, Postponed, Signer
 from pigeon_mta.outbound.mx import Router
 from pigeon_mta.outbound.outcome import interrupted_after_data, split_suppressed
-from pigeon_mta.outbound.recorder import Recorder
+from pigeon_mta.outbound.recorder import EventHandoff, Recorder
 from pigeon_mta.store import leases as store_leases
 from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.store.notify import Connector, QueueWaker
@@ -69,9 +69,11 @@ class DeliveryEngine:
         waker: QueueWaker | None = None,
         lease_owner: str = "",
         record_pool: asyncpg.Pool | None = None,
+        webhooks: EventHandoff | None = None,
     ) -> None:
         """`record_pool`: the connections results are recorded on (the worker gives the engine
-        its own, see `store.connect.record_pool`); `pool` when not given."""
+        its own, see `store.connect.record_pool`); `pool` when not given. `webhooks`: the
+        process's webhook sender, handed the events of the outcomes recorded (recorder.py)."""
         self.settings = settings
         self.delivery = settings.delivery
         # What its claims name as their holder: `serve` passes the node's run (pigeon_mta/node.py).
@@ -89,7 +91,11 @@ class DeliveryEngine:
         )
         self.connections = self.courier.connections
         self.recorder = Recorder(
-            record_pool or pool, settings, self.claims, delivery_log or DeliveryLog.open("")
+            record_pool or pool,
+            settings,
+            self.claims,
+            delivery_log or DeliveryLog.open(""),
+            webhooks,
         )
         # A waker shared with this process's listeners wakes the engine at once after they queue
         # mail; it also LISTENs for mail queued elsewhere.

@@ -34,6 +34,7 @@ from pigeon_mta.store import leases as store_leases
 from pigeon_mta.store import suppression as store_suppression
 from pigeon_mta.store.executor import Executor, transaction
 from pigeon_mta.store.suppression import BounceEntry
+from pigeon_mta.store.webhooks import NO_OFFER, ClaimedEvent, Offer
 
 # Outcomes that end a recipient's delivery in failure and so are reported to the sender.
 FAILED_OUTCOMES = frozenset({Outcome.BOUNCED, Outcome.EXPIRED})
@@ -239,6 +240,10 @@ class Applied:
     applied: set[uuid.UUID]  # recipient ids whose state moved (see queue.record_attempts)
     bounces: list[uuid.UUID] = field(default_factory=list)  # queue ids of the DSNs queued
     suppressed: int = 0  # suppression entries written for hard bounces
+    # The webhook events written claimed for the offering sender, and the webhooks with new
+    # events waiting for a claim (store/leases.py `Recorded`): committed, for the sender.
+    events: list[ClaimedEvent] = field(default_factory=list)
+    waiting_events: set[uuid.UUID] = field(default_factory=set)
 
 
 async def apply_outcomes(
@@ -247,17 +252,23 @@ async def apply_outcomes(
     *,
     hostname: str,
     suppress_for: float = 0,
+    offer: Offer = NO_OFFER,
 ) -> Applied:
     """Record a batch of outcomes in ONE transaction: the recipients' state and attempt rows, the
-    DSNs for failures and the suppression entries for hard bounces."""
+    webhook events (those within `offer` claimed for its sender), the DSNs for failures and the
+    suppression entries for hard bounces."""
     if not results:
         return Applied(applied=set())
     if not any(r.outcome in FAILED_OUTCOMES for r in results):
         # Nothing to bounce or suppress: the record statement is the whole transaction (one round
         # trip instead of BEGIN, record, COMMIT; most batches under load are like this).
-        return Applied(applied=await store_leases.record_attempts(db, results))
+        recorded = await store_leases.record_outcomes(db, results, offer)
+        return Applied(
+            applied=recorded.applied, events=recorded.events, waiting_events=recorded.waiting
+        )
     async with transaction(db) as conn:
-        applied = await store_leases.record_attempts(conn, results)
+        recorded = await store_leases.record_outcomes(conn, results, offer)
+        applied = recorded.applied
         failed = messages_needing_bounces(results, applied)
         bounces = await notices.queue_bounces(
             conn, [rid for ids in failed.values() for rid in ids], hostname=hostname
@@ -265,7 +276,13 @@ async def apply_outcomes(
         suppressed = await store_suppression.suppress_bounced(
             conn, bounce_suppressions(results, applied), suppress_for=suppress_for
         )
-    return Applied(applied=applied, bounces=bounces, suppressed=suppressed)
+    return Applied(
+        applied=applied,
+        bounces=bounces,
+        suppressed=suppressed,
+        events=recorded.events,
+        waiting_events=recorded.waiting,
+    )
 
 
 def messages_needing_bounces(

@@ -3,7 +3,8 @@
 Each batch goes through `apply_outcomes` (outbound/outcome.py); what took effect is counted, and
 the delivery log gets its records after the commit (the same events are in the database). A batch
 that cannot be recorded is kept and tried again: dropping it would send the mail again once its
-leases ran out.
+leases ran out. The process's webhook sender offers each batch its free room, and gets the webhook
+events written within it after the commit, already claimed for it (webhooks/sender.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Sequence
+import uuid
+from collections.abc import Sequence, Set
+from typing import Protocol
 
 import asyncpg
 
@@ -22,6 +25,7 @@ from pigeon_mta.model import AttemptResult, Delivery
 from pigeon_mta.outbound.claims import Claims
 from pigeon_mta.outbound.outcome import apply_outcomes
 from pigeon_mta.store.connect import DB_ERRORS
+from pigeon_mta.store.webhooks import NO_OFFER, ClaimedEvent, Offer
 
 log = logging.getLogger(__name__)
 
@@ -29,16 +33,35 @@ log = logging.getLogger(__name__)
 RECORD_BATCH = 1000
 
 
+class EventHandoff(Protocol):
+    """A webhook sender that takes the new events of recorded outcomes from the record itself."""
+
+    def offer(self) -> Offer:
+        """The room to write new events claimed for this sender in, held until `take`."""
+        ...
+
+    def take(self, offer: Offer, events: Sequence[ClaimedEvent], waiting: Set[uuid.UUID]) -> None:
+        """After the record: the events written claimed within `offer` (none if the record
+        failed), and the webhooks with new events waiting in the outbox for a claim."""
+        ...
+
+
 class Recorder:
     """Results submitted by the engine's deliveries, and the loop (`run`) that records them."""
 
     def __init__(
-        self, pool: asyncpg.Pool, settings: Settings, claims: Claims, delivery_log: DeliveryLog
+        self,
+        pool: asyncpg.Pool,
+        settings: Settings,
+        claims: Claims,
+        delivery_log: DeliveryLog,
+        webhooks: EventHandoff | None = None,
     ) -> None:
         self.pool = pool
         self.settings = settings
         self.claims = claims
         self.delivery_log = delivery_log
+        self.webhooks = webhooks
         self._pending: list[AttemptResult] = []
         self._pending_event = asyncio.Event()
         self._finishing = False
@@ -71,14 +94,24 @@ class Recorder:
         Everything that must commit together with an outcome belongs in this transaction (bounce
         messages for bounced and expired recipients, suppression entries).
         """
-        applied = (
-            await apply_outcomes(
+        offer = self.webhooks.offer() if self.webhooks is not None else NO_OFFER
+        events: list[ClaimedEvent] = []
+        waiting: set[uuid.UUID] = set()
+        try:
+            done = await apply_outcomes(
                 self.pool,
                 results,
                 hostname=self.settings.server.hostname,
                 suppress_for=self.settings.bounces.suppress_for,
+                offer=offer,
             )
-        ).applied
+            events, waiting = done.events, done.waiting_events
+        finally:
+            # Whatever happened: the sender's room is its own again. Events of a commit whose
+            # answer was lost are claimed for it all the same; they are due again after the lease.
+            if self.webhooks is not None:
+                self.webhooks.take(offer, events, waiting)
+        applied = done.applied
         # Only outcomes that took effect: a fenced-out (stale) result is logged, not counted.
         counts = collections.Counter(str(r.outcome) for r in results if r.recipient_id in applied)
         for outcome, count in counts.items():

@@ -5,7 +5,9 @@ Event rows are written by the statements that record outcomes (store/leases.py, 
 with `event_payload` as their body; this module owns everything else about them. A claim takes due
 events FOR UPDATE SKIP LOCKED and moves each one lease ahead: an event whose sender died is due
 again when the lease has passed, so every event is sent at least once. The claim increments
-`attempts`, which fences the outcome as recipient.attempts does (store/leases.py).
+`attempts`, which fences the outcome as recipient.attempts does (store/leases.py). The record of
+outcomes writes the new events within its caller's `Offer` as claimed already (attempts 1, one
+lease ahead), so that its process's sender needs no claim for them.
 """
 
 from __future__ import annotations
@@ -177,6 +179,22 @@ class ClaimedEvent:
     body: bytes  # the payload as stored: the request body, signed as it is sent
     attempts: int  # this claim's number (fencing token)
     created_at: datetime
+
+
+@dataclass(frozen=True)
+class Offer:
+    """The room a sender offers the statement that records outcomes (store/leases.py): the new
+    events of a webhook with room are written already claimed by that sender (attempts 1, due again
+    after `lease` seconds) and returned to it, so that it sends them with no claim of its own; the
+    others wait in the outbox for a claim."""
+
+    rooms: Mapping[uuid.UUID, int]  # webhooks the sender has requests in flight to: their room
+    other: int  # the room of every other webhook
+    lease: float
+
+
+# No room: every new event waits in the outbox.
+NO_OFFER = Offer({}, 0, 0.0)
 
 
 # Cross-tenant by design, like the recipient claim: one sender serves every org's webhooks. Each

@@ -1,7 +1,8 @@
-"""The webhook sender: drains the outbox (store/webhooks.py) of due events with signed POSTs.
+"""The webhook sender: sends the events of the outbox (store/webhooks.py) with signed POSTs.
 
-Every worker process runs one. It claims only what it can send at once: for each endpoint, up to
-`webhooks.concurrency_per_endpoint` requests less those it has in flight there. An endpoint that
+Every worker process runs one. It takes only what it can send at once: for each endpoint, up to
+`webhooks.concurrency_per_endpoint` requests less those it has in flight there, whether the
+events come from the record of its process's outcomes (`offer`, `take`) or from its claims. An endpoint that
 stalls thus holds its own slots and nothing else: other endpoints are claimed and sent as usual,
 mail delivery shares nothing with it but the database pool (for one short statement at a time),
 and memory stays bounded by the slots, whatever the backlog. A request that gets no 2xx within
@@ -17,6 +18,7 @@ import contextlib
 import logging
 import random
 import uuid
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -27,7 +29,7 @@ from pigeon_mta import __version__, metrics
 from pigeon_mta.config import WebhookSettings
 from pigeon_mta.store import webhooks as store_webhooks
 from pigeon_mta.store.connect import DB_ERRORS
-from pigeon_mta.store.webhooks import ClaimedEvent, EventResult
+from pigeon_mta.store.webhooks import NO_OFFER, ClaimedEvent, EventResult, Offer
 from pigeon_mta.webhooks.signing import signed_headers
 
 log = logging.getLogger("pigeon_mta.webhooks")
@@ -39,6 +41,11 @@ REPLY_READ_LIMIT = 64 * 1024
 # A claim's lease beyond the request timeout: time to record the outcome before the event is due
 # again for another sender.
 LEASE_MARGIN = 10.0
+# Outcomes are recorded in one statement once the oldest has waited this long (seconds), or once
+# this many have gathered: under load a request ends every few milliseconds, and a statement
+# apiece would cost the database more than the requests.
+RECORD_WAIT = 0.05
+RECORD_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -112,7 +119,15 @@ def judge(
 
 
 class WebhookSender:
-    """One worker process's sender (a Service of app.worker_services)."""
+    """One worker process's sender (a Service of app.worker_services).
+
+    Its events come two ways. The record of this process's delivery outcomes writes the new events
+    of the webhooks it has room for already claimed for it, and hands them over (`offer`, `take`):
+    under load that is nearly every event, sent with no claim and no read of its own. The outbox
+    holds the rest (events written without room, by other processes or by expiry, and retries),
+    claimed when a record left some there, when a claim filled a webhook's room (there may be
+    more), and at every poll interval.
+    """
 
     name = "webhooks"
 
@@ -127,9 +142,18 @@ class WebhookSender:
         # Requests in flight, by endpoint, and the event each task sends.
         self._busy: collections.Counter[uuid.UUID] = collections.Counter()
         self._sending: dict[asyncio.Task[None], ClaimedEvent] = {}
-        # Outcomes not recorded yet: at most one per slot.
+        # Outcomes not recorded yet (at most one per slot), and when the oldest came.
         self._results: list[EventResult] = []
+        self._results_since = 0.0
         self._db_healthy = True
+        # The room a record holds (see `offer`); no claim is made meanwhile, nor while a claim
+        # runs is room offered: the two together could fill a webhook's room twice.
+        self._offered: Offer | None = None
+        self._claiming = False
+        # The webhooks whose due events the outbox may hold beyond what this sender has claimed:
+        # claimed as soon as they have room. Every webhook is looked for at each poll interval.
+        self._backlogged: set[uuid.UUID] = set()
+        self._last_claim = 0.0
 
     async def start(self) -> None:
         self._session = new_session(self.settings)
@@ -158,41 +182,109 @@ class WebhookSender:
         if self._session is not None:
             await self._session.close()
 
+    # ------------------------------------------------------------ the record's handoff
+
+    def offer(self) -> Offer:
+        """The room of every webhook here (webhooks.concurrency_per_endpoint less the requests
+        in flight to it), held for one record of outcomes until `take`. None while stopping,
+        while a claim runs or while another record holds it."""
+        if self._stopping or self._claiming or self._offered is not None:
+            return NO_OFFER
+        room = self.settings.concurrency_per_endpoint
+        self._offered = Offer(
+            {webhook: max(0, room - busy) for webhook, busy in self._busy.items()},
+            room,
+            self.lease,
+        )
+        return self._offered
+
+    def take(self, offer: Offer, events: Sequence[ClaimedEvent], waiting: Set[uuid.UUID]) -> None:
+        """The events a record wrote claimed for this sender: sent at once. The webhooks of
+        `waiting` had new events beyond their room, left in the outbox: claimed when they have
+        room."""
+        if offer is self._offered:
+            self._offered = None
+        self._backlogged |= waiting
+        for event in events:
+            self._begin(event)
+        self._wake.set()
+
     # ------------------------------------------------------------ the loop
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        poll = float(self.settings.poll_interval)
         while not self._stopping:
             self._wake.clear()
+            claimed: list[ClaimedEvent] = []
+            failed = True
             try:
-                await self._record()
-                claimed = await store_webhooks.claim_due_events(
-                    self.pool,
-                    room=self.settings.concurrency_per_endpoint,
-                    busy=self._busy,
-                    lease=self.lease,
-                )
+                if self._results and (
+                    loop.time() - self._results_since >= RECORD_WAIT
+                    or len(self._results) >= RECORD_BATCH
+                ):
+                    await self._record()
+                if self._offered is None and (
+                    loop.time() - self._last_claim >= poll or self._backlog_has_room()
+                ):
+                    claimed = await self._claim()
                 if not self._db_healthy:
                     log.info("webhook sender: database reachable again")
                 self._db_healthy = True
+                failed = False
             except DB_ERRORS as exc:
                 if self._db_healthy:
                     log.warning("webhook sender cannot reach the database: %s", exc)
                 self._db_healthy = False
-                claimed = []
             except Exception:
                 # The sender must outlive a bug in one round; the claims come back after
                 # their lease.
                 log.exception("webhook sender round failed")
-                claimed = []
             for event in claimed:
-                self._busy[event.webhook_id] += 1
-                task = asyncio.create_task(self._send(event), name="webhook-post")
-                self._sending[task] = event
-                task.add_done_callback(self._sent)
-            # Until a request finishes (a slot is free, an outcome to record) or the poll
-            # interval passes (new events, retries that came due).
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), float(self.settings.poll_interval))
+                self._begin(event)
+            # Until a request finishes (a slot is free), a record hands events over, outcomes
+            # are due to be recorded, or the poll interval passes (new events, retries that
+            # came due).
+            timeout = self._last_claim + poll - loop.time()
+            if self._results:
+                timeout = min(timeout, self._results_since + RECORD_WAIT - loop.time())
+            if failed:
+                timeout = poll  # the database, or a bug: try again a poll interval later
+            if timeout > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _backlog_has_room(self) -> bool:
+        room = self.settings.concurrency_per_endpoint
+        return any(self._busy[webhook] < room for webhook in self._backlogged)
+
+    async def _claim(self) -> list[ClaimedEvent]:
+        room = self.settings.concurrency_per_endpoint
+        busy = dict(self._busy)
+        self._claiming = True
+        try:
+            claimed = await store_webhooks.claim_due_events(
+                self.pool, room=room, busy=busy, lease=self.lease
+            )
+        finally:
+            self._claiming = False
+        self._last_claim = asyncio.get_running_loop().time()
+        # A webhook that had room is drained if the claim took less than its room, and may have
+        # more due if it took all of it; one that had none stays as it was.
+        taken = collections.Counter(event.webhook_id for event in claimed)
+        for webhook in self._backlogged | set(taken):
+            had = room - busy.get(webhook, 0)
+            if had > 0 and taken[webhook] >= had:
+                self._backlogged.add(webhook)
+            elif had > 0:
+                self._backlogged.discard(webhook)
+        return claimed
+
+    def _begin(self, event: ClaimedEvent) -> None:
+        self._busy[event.webhook_id] += 1
+        task = asyncio.create_task(self._send(event), name="webhook-post")
+        self._sending[task] = event
+        task.add_done_callback(self._sent)
 
     async def _send(self, event: ClaimedEvent) -> None:
         assert self._session is not None
@@ -208,6 +300,8 @@ class WebhookSender:
                 event.attempts,
                 reply.error,
             )
+        if not self._results:
+            self._results_since = asyncio.get_running_loop().time()
         self._results.append(result)
 
     def _sent(self, task: asyncio.Task[None]) -> None:

@@ -538,7 +538,8 @@ async def test_fenced_statements_look_up_their_rows_by_primary_key_with_many_in_
 # The parameter types of leases._RECORD, for a PREPARE of it.
 _RECORD_TYPES = (
     "uuid[], uuid[], uuid[], uuid[], int[], text[], timestamptz[], float8[], timestamptz[], "
-    "text[], text[], int[], text[], text[], int[], text[], text[], text[], text[], text[], text"
+    "text[], text[], int[], text[], text[], int[], text[], text[], text[], text[], text[], text, "
+    "uuid[], int[], int, float8"
 )
 
 

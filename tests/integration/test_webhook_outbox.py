@@ -3,6 +3,7 @@ outcomes and expiries, and the sender's claims of them."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import uuid
@@ -93,6 +94,67 @@ async def test_suppressed_outcomes_are_events_and_stale_claims_are_not(
 
     found = sorted((e["type"], e["data"]["recipient"]) for e in await events(pool))
     assert found == [("delivered", "ok@example.net"), ("suppressed", "gone@example.net")]
+
+
+async def test_the_record_writes_events_within_an_offer_claimed_and_returns_them(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """A sender offers room: 1 on `busy` (it has requests in flight there), none on `full`, 2 on
+    every other webhook. Of 3 delivered recipients, each webhook's events within its room are
+    written claimed (due after the lease) and come back whole; the rest wait, due at once."""
+    busy = await store_webhooks.add_webhook(pool, org_id, "http://127.0.0.1:1/", ["delivered"], "a")
+    full = await store_webhooks.add_webhook(pool, org_id, "http://127.0.0.1:2/", ["delivered"], "b")
+    other = await store_webhooks.add_webhook(
+        pool, org_id, "http://127.0.0.1:3/", ["delivered"], "c"
+    )
+    addresses = ("a@example.net", "b@example.net", "c@example.net")
+    queue_id = await send(pool, org_id, *addresses)
+    [delivery] = await claim_all(pool)
+    ok = Reply(250, "2.0.0", "ok")
+    results = [result(delivery, a, Outcome.DELIVERED, ok) for a in addresses]
+    offer = store_webhooks.Offer({busy.id: 1, full.id: 0}, other=2, lease=600)
+
+    recorded = await leases.record_outcomes(pool, results, offer)
+
+    assert recorded.applied == {r.recipient_id for r in results}
+    handed = collections.Counter(e.webhook_id for e in recorded.events)
+    assert handed == {busy.id: 1, other.id: 2}
+    assert recorded.waiting == {full.id, busy.id, other.id}  # 3, 2 and 1 beyond their room
+    by_id = {e.id: e for e in recorded.events}
+    rows = await pool.fetch(
+        "SELECT id, webhook_id, attempts, payload::text AS body, "
+        "next_attempt_at - now() AS due_in FROM webhook_event"
+    )
+    assert len(rows) == 9
+    for row in rows:
+        if row["id"] in by_id:
+            event = by_id[row["id"]]
+            assert (row["attempts"], event.attempts) == (1, 1)
+            assert row["due_in"].total_seconds() > 590  # leased to the sender
+            assert event.body == row["body"].encode()
+            assert event.url == {busy.id: busy.url, other.id: other.url}[row["webhook_id"]]
+            assert event.secret == {busy.id: "a", other.id: "c"}[row["webhook_id"]]
+            assert json.loads(event.body)["data"]["queue_id"] == str(queue_id)
+        else:
+            assert row["attempts"] == 0 and row["due_in"].total_seconds() <= 0
+    # The waiting ones are the outbox's: a claim finds exactly them.
+    claimed = await store_webhooks.claim_due_events(pool, room=10, busy={}, lease=60)
+    assert {e.id for e in claimed} == {r["id"] for r in rows} - set(by_id)
+
+
+async def test_a_record_with_no_offer_leaves_every_event_to_a_claim(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    hook = await store_webhooks.add_webhook(pool, org_id, "http://127.0.0.1:1/", ["delivered"], "a")
+    await send(pool, org_id, "a@example.net")
+    [delivery] = await claim_all(pool)
+    ok = result(delivery, "a@example.net", Outcome.DELIVERED, Reply(250, "2.0.0", "ok"))
+
+    recorded = await leases.record_outcomes(pool, [ok])
+
+    assert (recorded.events, recorded.waiting) == ([], {hook.id})
+    [claimed] = await store_webhooks.claim_due_events(pool, room=8, busy={}, lease=60)
+    assert claimed.attempts == 1
 
 
 async def test_a_claim_takes_no_more_than_the_room_of_each_endpoint(

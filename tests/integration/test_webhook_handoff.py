@@ -1,0 +1,109 @@
+"""A worker's webhook sender takes the events of its process's recorded outcomes from the record
+itself (webhooks/sender.py `offer` and `take`, store/leases.py `record_outcomes`): a real sender,
+a real PostgreSQL and a real aiohttp receiver on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from pigeon_mta.config import Duration, WebhookSettings
+from pigeon_mta.model import AttemptResult, Outcome, Reply
+from pigeon_mta.store import leases
+from pigeon_mta.store import webhooks as store_webhooks
+from pigeon_mta.webhooks.sender import WebhookSender
+from pigeon_mta.webhooks.signing import new_secret
+from tests.integration.test_bounces import claim_all, result
+from tests.integration.test_webhook_outbox import send
+from tests.peers.webhook_receiver import WebhookReceiver
+
+OK = Reply(250, "2.0.0", "ok")
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[WebhookReceiver]:
+    started = WebhookReceiver(secret=new_secret())
+    await started.start()
+    try:
+        yield started
+    finally:
+        await started.stop()
+
+
+@pytest.fixture
+async def sender(pool: asyncpg.Pool) -> AsyncIterator[WebhookSender]:
+    """A sender that looks in the outbox once when it starts and then once a day, unless a
+    record leaves events there; it sends 2 requests at once to an endpoint."""
+    settings = WebhookSettings(poll_interval=Duration(86400), concurrency_per_endpoint=2)
+    started = WebhookSender(settings, pool)
+    await started.start()
+    try:
+        yield started
+    finally:
+        loop = asyncio.get_running_loop()
+        await started.stop(loop.time() + 5)
+
+
+async def offered(sender: WebhookSender) -> store_webhooks.Offer:
+    """The sender's offer, once its first claim (at start) is over: none is made meanwhile."""
+    for _ in range(500):
+        offer = sender.offer()
+        if offer is not store_webhooks.NO_OFFER:
+            return offer
+        await asyncio.sleep(0.01)
+    raise AssertionError("the sender made no offer within 5s")
+
+
+async def delivered(pool: asyncpg.Pool, org_id: uuid.UUID, count: int) -> list[AttemptResult]:
+    addresses = [f"r{n}@example.net" for n in range(count)]
+    await send(pool, org_id, *addresses)
+    [delivery] = await claim_all(pool)
+    return [result(delivery, a, Outcome.DELIVERED, OK) for a in addresses]
+
+
+async def test_events_handed_over_by_the_record_are_sent_and_recorded(
+    pool: asyncpg.Pool, org_id: uuid.UUID, sender: WebhookSender, receiver: WebhookReceiver
+) -> None:
+    """The events within the offer reach the receiver signed, though the sender will not look
+    in the outbox for a day; the one beyond its room (2) is claimed once a slot is free."""
+    assert receiver.secret is not None
+    hook = await store_webhooks.add_webhook(
+        pool, org_id, receiver.url, ["delivered"], receiver.secret
+    )
+    results = await delivered(pool, org_id, 3)
+    offer = await offered(sender)
+    assert (dict(offer.rooms), offer.other) == ({}, 2)
+    # One record at a time holds the room.
+    assert sender.offer() is store_webhooks.NO_OFFER
+
+    recorded = await leases.record_outcomes(pool, results, offer)
+    sender.take(offer, recorded.events, recorded.waiting)
+
+    assert (len(recorded.events), recorded.waiting) == (2, {hook.id})
+    await receiver.wait_for(lambda: len(receiver.requests) == 3, timeout=30)
+    assert all(r.verified for r in receiver.requests)
+    event_ids = {str(r["id"]) for r in await pool.fetch("SELECT id FROM webhook_event")}
+    assert {r.webhook_id for r in receiver.requests} == event_ids
+    # The outcomes are recorded in the outbox: every event delivered, each sent once.
+    for _ in range(100):
+        states = await pool.fetch("SELECT state, attempts FROM webhook_event")
+        if all(r["state"] == "delivered" for r in states):
+            break
+        await asyncio.sleep(0.05)
+    assert sorted((r["state"], r["attempts"]) for r in states) == [("delivered", 1)] * 3
+
+
+async def test_a_record_that_fails_gives_the_room_back(
+    pool: asyncpg.Pool, org_id: uuid.UUID, sender: WebhookSender, receiver: WebhookReceiver
+) -> None:
+    assert receiver.secret is not None
+    await store_webhooks.add_webhook(pool, org_id, receiver.url, ["delivered"], receiver.secret)
+    offer = await offered(sender)
+    sender.take(offer, [], set())  # what the recorder does when the record raised
+    again = sender.offer()
+    assert again is not store_webhooks.NO_OFFER and again is not offer
+    sender.take(again, [], set())
