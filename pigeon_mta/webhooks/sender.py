@@ -245,14 +245,15 @@ class WebhookSender:
             # Until a request finishes (a slot is free), a record hands events over, outcomes
             # are due to be recorded, or the poll interval passes (new events, retries that
             # came due).
-            timeout = self._last_claim + poll - loop.time()
+            # While a record holds the room, a claim waits for its `take`, which wakes the loop.
+            timeout = poll if self._offered is not None else self._last_claim + poll - loop.time()
             if self._results:
                 timeout = min(timeout, self._results_since + RECORD_WAIT - loop.time())
             if failed:
                 timeout = poll  # the database, or a bug: try again a poll interval later
-            if timeout > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout)
+            with contextlib.suppress(TimeoutError):
+                # Never less than a millisecond: whatever comes due, the loop must not spin.
+                await asyncio.wait_for(self._wake.wait(), max(timeout, 0.001))
 
     def _backlog_has_room(self) -> bool:
         room = self.settings.concurrency_per_endpoint

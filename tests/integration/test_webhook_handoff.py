@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from typing import Literal
 
 import asyncpg
 import pytest
@@ -107,3 +108,31 @@ async def test_a_record_that_fails_gives_the_room_back(
     again = sender.offer()
     assert again is not store_webhooks.NO_OFFER and again is not offer
     sender.take(again, [], set())
+
+
+class CountingEvent(asyncio.Event):
+    """The sender's wake-up event, counting how often its loop waits on it."""
+
+    waits = 0
+
+    async def wait(self) -> Literal[True]:
+        self.waits += 1
+        return await super().wait()
+
+
+async def test_a_sender_waiting_for_a_records_take_does_not_spin(pool: asyncpg.Pool) -> None:
+    """Its poll interval passes while a record holds the room: the claim waits for `take`, and
+    the loop waits with it instead of going round (it once went round without waiting)."""
+    settings = WebhookSettings(poll_interval=Duration(0.05))
+    sender = WebhookSender(settings, pool)
+    wake = sender._wake = CountingEvent()
+    await sender.start()
+    try:
+        offer = await offered(sender)
+        rounds = wake.waits
+        await asyncio.sleep(0.5)  # ten poll intervals
+        during = wake.waits - rounds
+        sender.take(offer, [], set())
+    finally:
+        await sender.stop(asyncio.get_running_loop().time() + 5)
+    assert during <= 20, during
