@@ -36,7 +36,7 @@ RECORD_BATCH = 1000
 class EventHandoff(Protocol):
     """A webhook sender that takes the new events of recorded outcomes from the record itself."""
 
-    def offer(self) -> Offer:
+    async def offer(self) -> Offer:
         """The room to write new events claimed for this sender in, held until `take`."""
         ...
 
@@ -94,7 +94,7 @@ class Recorder:
         Everything that must commit together with an outcome belongs in this transaction (bounce
         messages for bounced and expired recipients, suppression entries).
         """
-        offer = self.webhooks.offer() if self.webhooks is not None else NO_OFFER
+        offer = await self.webhooks.offer() if self.webhooks is not None else NO_OFFER
         events: list[ClaimedEvent] = []
         waiting: set[uuid.UUID] = set()
         try:

@@ -146,10 +146,10 @@ class WebhookSender:
         self._results: list[EventResult] = []
         self._results_since = 0.0
         self._db_healthy = True
-        # The room a record holds (see `offer`); no claim is made meanwhile, nor while a claim
-        # runs is room offered: the two together could fill a webhook's room twice.
+        # Held by one record of outcomes (from `offer` to `take`) or one claim at a time: the
+        # two together could fill a webhook's room twice. Each waits for the other, a statement.
+        self._room = asyncio.Lock()
         self._offered: Offer | None = None
-        self._claiming = False
         # The webhooks whose due events the outbox may hold beyond what this sender has claimed:
         # claimed as soon as they have room. Every webhook is looked for at each poll interval.
         self._backlogged: set[uuid.UUID] = set()
@@ -184,11 +184,15 @@ class WebhookSender:
 
     # ------------------------------------------------------------ the record's handoff
 
-    def offer(self) -> Offer:
+    async def offer(self) -> Offer:
         """The room of every webhook here (webhooks.concurrency_per_endpoint less the requests
-        in flight to it), held for one record of outcomes until `take`. None while stopping,
-        while a claim runs or while another record holds it."""
-        if self._stopping or self._claiming or self._offered is not None:
+        in flight to it), held for one record of outcomes until `take`; after a claim or
+        another record that holds it. None once the sender is stopping."""
+        if self._stopping:
+            return NO_OFFER
+        await self._room.acquire()
+        if self._stopping:
+            self._room.release()
             return NO_OFFER
         room = self.settings.concurrency_per_endpoint
         self._offered = Offer(
@@ -204,6 +208,7 @@ class WebhookSender:
         room."""
         if offer is self._offered:
             self._offered = None
+            self._room.release()
         self._backlogged |= waiting
         for event in events:
             self._begin(event)
@@ -224,10 +229,9 @@ class WebhookSender:
                     or len(self._results) >= RECORD_BATCH
                 ):
                     await self._record()
-                if self._offered is None and (
-                    loop.time() - self._last_claim >= poll or self._backlog_has_room()
-                ):
-                    claimed = await self._claim()
+                if loop.time() - self._last_claim >= poll or self._backlog_has_room():
+                    async with self._room:
+                        claimed = await self._claim()
                 if not self._db_healthy:
                     log.info("webhook sender: database reachable again")
                 self._db_healthy = True
@@ -245,8 +249,7 @@ class WebhookSender:
             # Until a request finishes (a slot is free), a record hands events over, outcomes
             # are due to be recorded, or the poll interval passes (new events, retries that
             # came due).
-            # While a record holds the room, a claim waits for its `take`, which wakes the loop.
-            timeout = poll if self._offered is not None else self._last_claim + poll - loop.time()
+            timeout = self._last_claim + poll - loop.time()
             if self._results:
                 timeout = min(timeout, self._results_since + RECORD_WAIT - loop.time())
             if failed:
@@ -262,13 +265,9 @@ class WebhookSender:
     async def _claim(self) -> list[ClaimedEvent]:
         room = self.settings.concurrency_per_endpoint
         busy = dict(self._busy)
-        self._claiming = True
-        try:
-            claimed = await store_webhooks.claim_due_events(
-                self.pool, room=room, busy=busy, lease=self.lease
-            )
-        finally:
-            self._claiming = False
+        claimed = await store_webhooks.claim_due_events(
+            self.pool, room=room, busy=busy, lease=self.lease
+        )
         self._last_claim = asyncio.get_running_loop().time()
         # A webhook that had room is drained if the claim took less than its room, and may have
         # more due if it took all of it; one that had none stays as it was.

@@ -50,13 +50,10 @@ async def sender(pool: asyncpg.Pool) -> AsyncIterator[WebhookSender]:
 
 
 async def offered(sender: WebhookSender) -> store_webhooks.Offer:
-    """The sender's offer, once its first claim (at start) is over: none is made meanwhile."""
-    for _ in range(500):
-        offer = sender.offer()
-        if offer is not store_webhooks.NO_OFFER:
-            return offer
-        await asyncio.sleep(0.01)
-    raise AssertionError("the sender made no offer within 5s")
+    """The sender's offer, once its first claim (at start) is over."""
+    offer = await asyncio.wait_for(sender.offer(), 5)
+    assert offer is not store_webhooks.NO_OFFER
+    return offer
 
 
 async def delivered(pool: asyncpg.Pool, org_id: uuid.UUID, count: int) -> list[AttemptResult]:
@@ -78,13 +75,16 @@ async def test_events_handed_over_by_the_record_are_sent_and_recorded(
     results = await delivered(pool, org_id, 3)
     offer = await offered(sender)
     assert (dict(offer.rooms), offer.other) == ({}, 2)
-    # One record at a time holds the room.
-    assert sender.offer() is store_webhooks.NO_OFFER
+    # One record at a time holds the room: another waits for its take.
+    second = asyncio.create_task(sender.offer())
+    await asyncio.sleep(0.1)
+    assert not second.done()
 
     recorded = await leases.record_outcomes(pool, results, offer)
     sender.take(offer, recorded.events, recorded.waiting)
 
     assert (len(recorded.events), recorded.waiting) == (2, {hook.id})
+    sender.take(await second, [], set())
     await receiver.wait_for(lambda: len(receiver.requests) == 3, timeout=30)
     assert all(r.verified for r in receiver.requests)
     event_ids = {str(r["id"]) for r in await pool.fetch("SELECT id FROM webhook_event")}
@@ -105,8 +105,8 @@ async def test_a_record_that_fails_gives_the_room_back(
     await store_webhooks.add_webhook(pool, org_id, receiver.url, ["delivered"], receiver.secret)
     offer = await offered(sender)
     sender.take(offer, [], set())  # what the recorder does when the record raised
-    again = sender.offer()
-    assert again is not store_webhooks.NO_OFFER and again is not offer
+    again = await offered(sender)
+    assert again is not offer
     sender.take(again, [], set())
 
 
@@ -122,7 +122,7 @@ class CountingEvent(asyncio.Event):
 
 async def test_a_sender_waiting_for_a_records_take_does_not_spin(pool: asyncpg.Pool) -> None:
     """Its poll interval passes while a record holds the room: the claim waits for `take`, and
-    the loop waits with it instead of going round (it once went round without waiting)."""
+    the loop with it, instead of going round."""
     settings = WebhookSettings(poll_interval=Duration(0.05))
     sender = WebhookSender(settings, pool)
     wake = sender._wake = CountingEvent()
