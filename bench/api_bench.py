@@ -12,10 +12,10 @@ latency p50 / p99, the end-to-end rate (until the last delivery), CPU per compon
 delivery the outbox was empty.
 
 --part drain: how fast the webhook senders empty a full outbox. smtp-source queues --messages
-(no DKIM), delivered with `webhooks.poll_interval` at a day, so that the senders, which look for
-events at start and then only once per poll interval while idle, send none; `serve` is then
-restarted with the defaults, and the bench times the receiver's events and samples the backlog
-until the outbox is empty.
+(no DKIM), delivered while the webhook points at a port that refuses connections and a failed
+request is retried a day later, so that every event stays in the outbox; the webhook is then
+pointed at the receiver, `serve` restarted with the defaults, and the bench times the receiver's
+events and samples the backlog until the outbox is empty.
 
 Bounded in count and time; loopback only; every process it starts is stopped by its PID.
 
@@ -196,11 +196,9 @@ class Bench:
         self.config = self.work / "pigeon.toml"
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def write_config(self, *, deliver: bool = True, webhook_poll: str = "") -> None:
+    def write_config(self, *, deliver: bool = True, webhooks_extra: str = "") -> None:
         a = self.args
-        webhooks = "[webhooks]\n"
-        if webhook_poll:
-            webhooks += f'poll_interval = "{webhook_poll}"\n'
+        webhooks = "[webhooks]\n" + webhooks_extra
         if a.concurrency_per_endpoint:
             webhooks += f"concurrency_per_endpoint = {a.concurrency_per_endpoint}\n"
         self.config.write_text(
@@ -232,6 +230,10 @@ delivery_log = "{self.work / "delivery.log"}"
 {webhooks}"""
         )
 
+    @property
+    def receiver_url(self) -> str:
+        return f"http://127.0.0.1:{self.receiver_port}/hook"
+
     def pigeon(self, *argv: str) -> str:
         return run([sys.executable, "-m", "pigeon_mta", *argv, "--config", str(self.config)]).stdout
 
@@ -250,8 +252,7 @@ delivery_log = "{self.work / "delivery.log"}"
         hook_id = ""
         if webhook != "none":
             events = [] if webhook == "all" else ["--events", webhook]
-            url = f"http://127.0.0.1:{self.receiver_port}/hook"
-            added = self.pigeon("webhook", "add", "internal", url, *events, "--json")
+            added = self.pigeon("webhook", "add", "internal", self.receiver_url, *events, "--json")
             hook_id = json.loads(added)["id"]
         return str(key["key"]), hook_id
 
@@ -442,9 +443,16 @@ async def part_send(bench: Bench, key: str, http: aiohttp.ClientSession) -> dict
 
 async def part_drain(bench: Bench, http: aiohttp.ClientSession) -> dict[str, Any]:
     a = bench.args
-    bench.write_config(webhook_poll="1d")
-    serve = await serve_started(bench, bench.work / "fill.log")
+    # While the outbox fills, the webhook points at a port bound by the bench and not listening:
+    # each event's one request is refused at once, and retried a day later.
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
     conn = await asyncpg.connect(bench.db_url)
+    await conn.execute(
+        "UPDATE webhook SET url = $1", f"http://127.0.0.1:{closed.getsockname()[1]}/hook"
+    )
+    bench.write_config(webhooks_extra='retry_initial = "1d"\nretry_max = "1d"\nmax_age = "30d"\n')
+    serve = await serve_started(bench, bench.work / "fill.log")
     try:
         began = time.monotonic()
         try:
@@ -455,8 +463,10 @@ async def part_drain(bench: Bench, http: aiohttp.ClientSession) -> dict[str, Any
                 await asyncio.sleep(0.25)
         finally:
             stop_serve(serve)
+            closed.close()
         filled = await pending_events(conn)
         sent_early = (await received(http, a.receiver_port))["events"]
+        await conn.execute("UPDATE webhook SET url = $1", bench.receiver_url)
         # Not due while `serve` starts, so that its start-up is not counted with the drain: the
         # senders see them at their next poll (webhooks.poll_interval, 1 s) after they are due.
         await conn.execute(
