@@ -1,11 +1,12 @@
 """The webhook sender: sends the events of the outbox (store/webhooks.py) with signed POSTs.
 
 Every worker process runs one. It takes only what it can send at once: for each endpoint, up to
-`webhooks.concurrency_per_endpoint` requests less those it has in flight there, whether the
-events come from the record of its process's outcomes (`offer`, `take`) or from its claims. An endpoint that
-stalls thus holds its own slots and nothing else: other endpoints are claimed and sent as usual,
-mail delivery shares nothing with it but the database pool (for one short statement at a time),
-and memory stays bounded by the slots, whatever the backlog. A request that gets no 2xx within
+`webhooks.concurrency_per_endpoint` requests less those it has in flight there, whether the events
+come from the record of its process's outcomes (`offer`, `take`) or from its claims. An endpoint
+that stalls thus holds its own slots and nothing else: other endpoints are served as usual, mail
+delivery shares nothing with it but the database pool (for one short statement at a time) and
+the sender's room (one claim or record at a time, a statement each), and memory stays bounded by
+the slots, whatever the backlog. A request that gets no 2xx within
 `webhooks.timeout` is retried with exponential backoff and jitter until the event is
 `webhooks.max_age` old; then the event is marked failed and stays in the table.
 """
@@ -17,6 +18,7 @@ import collections
 import contextlib
 import logging
 import random
+import typing
 import uuid
 from collections.abc import Sequence, Set
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from pigeon_mta import __version__, metrics
 from pigeon_mta.config import WebhookSettings
 from pigeon_mta.store import webhooks as store_webhooks
 from pigeon_mta.store.connect import DB_ERRORS
+from pigeon_mta.store.executor import Executor
 from pigeon_mta.store.webhooks import NO_OFFER, ClaimedEvent, EventResult, Offer
 from pigeon_mta.webhooks.signing import signed_headers
 
@@ -46,6 +49,9 @@ LEASE_MARGIN = 10.0
 # apiece would cost the database more than the requests.
 RECORD_WAIT = 0.05
 RECORD_BATCH = 64
+# How long the record of outcomes waits for the sender's room (a claim's statement holds it) before
+# it writes its events for any sender to claim instead.
+OFFER_WAIT = 0.05
 
 
 @dataclass(frozen=True)
@@ -147,7 +153,8 @@ class WebhookSender:
         self._results_since = 0.0
         self._db_healthy = True
         # Held by one record of outcomes (from `offer` to `take`) or one claim at a time: the
-        # two together could fill a webhook's room twice. Each waits for the other, a statement.
+        # two together could fill a webhook's room twice. A claim holds it for its statement
+        # alone (the connection is taken first), and a record waits for it at most OFFER_WAIT.
         self._room = asyncio.Lock()
         self._offered: Offer | None = None
         # The webhooks whose due events the outbox may hold beyond what this sender has claimed:
@@ -187,10 +194,14 @@ class WebhookSender:
     async def offer(self) -> Offer:
         """The room of every webhook here (webhooks.concurrency_per_endpoint less the requests
         in flight to it), held for one record of outcomes until `take`; after a claim or
-        another record that holds it. None once the sender is stopping."""
+        another record that holds it. None once the sender is stopping, or if the room is not
+        free within OFFER_WAIT: the record of mail never waits on webhooks for longer."""
         if self._stopping:
             return NO_OFFER
-        await self._room.acquire()
+        try:
+            await asyncio.wait_for(self._room.acquire(), OFFER_WAIT)
+        except TimeoutError:
+            return NO_OFFER
         if self._stopping:
             self._room.release()
             return NO_OFFER
@@ -230,8 +241,9 @@ class WebhookSender:
                 ):
                     await self._record()
                 if loop.time() - self._last_claim >= poll or self._backlog_has_room():
-                    async with self._room:
-                        claimed = await self._claim()
+                    async with self.pool.acquire() as conn, self._room:
+                        # The pool hands out a proxy that behaves as the connection it wraps.
+                        claimed = await self._claim(typing.cast(asyncpg.Connection, conn))
                 if not self._db_healthy:
                     log.info("webhook sender: database reachable again")
                 self._db_healthy = True
@@ -262,11 +274,11 @@ class WebhookSender:
         room = self.settings.concurrency_per_endpoint
         return any(self._busy[webhook] < room for webhook in self._backlogged)
 
-    async def _claim(self) -> list[ClaimedEvent]:
+    async def _claim(self, conn: Executor) -> list[ClaimedEvent]:
         room = self.settings.concurrency_per_endpoint
         busy = dict(self._busy)
         claimed = await store_webhooks.claim_due_events(
-            self.pool, room=room, busy=busy, lease=self.lease
+            conn, room=room, busy=busy, lease=self.lease
         )
         self._last_claim = asyncio.get_running_loop().time()
         # A webhook that had room is drained if the claim took less than its room, and may have
