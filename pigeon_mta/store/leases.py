@@ -30,6 +30,7 @@ from pigeon_mta.store.webhooks import (
     NO_OFFER,
     ClaimedEvent,
     Offer,
+    claimed_event,
     event_payload,
     header_message_id,
 )
@@ -244,15 +245,17 @@ WITH v AS (
     RETURNING recipient_id, attempt, applied
 )
 -- Only the exceptions travel back (normally none): one row per outcome was 100 rows to decode.
-SELECT recipient_id, attempt, NULL::uuid AS event_id, NULL::uuid AS webhook_id, NULL::text AS url,
-       NULL::text AS secret, NULL::text AS body, NULL::timestamptz AS created_at
+SELECT recipient_id, attempt, NULL::uuid AS id, NULL::uuid AS webhook_id, NULL::text AS url,
+       NULL::text AS secret, NULL::text AS body, NULL::int AS attempts,
+       NULL::timestamptz AS created_at
 FROM a WHERE NOT applied
 UNION ALL
--- Then the new events: those claimed for the caller's sender in full, the others by id alone.
-SELECT NULL, NULL, w.id, w.webhook_id, h.url, h.secret, w.payload::text, w.created_at
+-- Then the new events (id: the event's): those claimed for the caller's sender in full, as a
+-- claim returns them, the others by webhook alone.
+SELECT NULL, NULL, w.id, w.webhook_id, h.url, h.secret, w.payload::text, w.attempts, w.created_at
 FROM w JOIN webhook h ON h.id = w.webhook_id WHERE w.attempts = 1
 UNION ALL
-SELECT NULL, NULL, w.id, w.webhook_id, NULL, NULL, NULL, NULL FROM w WHERE w.attempts = 0
+SELECT NULL, NULL, w.id, w.webhook_id, NULL, NULL, NULL, NULL, NULL FROM w WHERE w.attempts = 0
 """
 
 
@@ -290,22 +293,12 @@ async def record_outcomes(
     events: list[ClaimedEvent] = []
     waiting: set[uuid.UUID] = set()
     for row in await db.fetch(_RECORD, *_record_arguments(results, offer)):
-        if row["event_id"] is None:
+        if row["id"] is None:
             not_applied.add((row["recipient_id"], row["attempt"]))
         elif row["body"] is None:
             waiting.add(row["webhook_id"])
         else:
-            events.append(
-                ClaimedEvent(
-                    id=row["event_id"],
-                    webhook_id=row["webhook_id"],
-                    url=row["url"],
-                    secret=row["secret"],
-                    body=row["body"].encode(),
-                    attempts=1,
-                    created_at=row["created_at"],
-                )
-            )
+            events.append(claimed_event(row))
     applied = {r.recipient_id for r in results if (r.recipient_id, r.attempt) not in not_applied}
     return Recorded(applied, events, waiting)
 

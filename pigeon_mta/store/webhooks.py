@@ -222,21 +222,26 @@ RETURNING e.id, e.webhook_id, p.url, p.secret, e.payload::text AS body, e.attemp
 """
 
 
+def claimed_event(row: asyncpg.Record) -> ClaimedEvent:
+    """A claimed event from the row a claim (or the record's handoff) returns."""
+    return ClaimedEvent(
+        id=row["id"],
+        webhook_id=row["webhook_id"],
+        url=row["url"],
+        secret=row["secret"],
+        body=row["body"].encode(),
+        attempts=row["attempts"],
+        created_at=row["created_at"],
+    )
+
+
 async def claim_due_events(
     db: Executor, *, room: int, busy: Mapping[uuid.UUID, int], lease: float
 ) -> list[ClaimedEvent]:
     """Claim due events, at most `room` per webhook less what `busy` says is in flight to it; each
     is due again after `lease` seconds unless its outcome is recorded first."""
     return [
-        ClaimedEvent(
-            id=row["id"],
-            webhook_id=row["webhook_id"],
-            url=row["url"],
-            secret=row["secret"],
-            body=row["body"].encode(),
-            attempts=row["attempts"],
-            created_at=row["created_at"],
-        )
+        claimed_event(row)
         for row in await db.fetch(_CLAIM, room, list(busy), list(busy.values()), float(lease))
     ]
 
