@@ -25,6 +25,12 @@ from tests.peers.smtp_sink import SinkState, start_sink, stop_servers
 
 BACKLOG = 10_000
 RESETS = 20
+BULK_RATE = 200  # the backlog's destination rate, messages a second
+# A reset queued behind the backlog would wait for what is still queued ahead of it at
+# BULK_RATE: 10 s for every 2,000. This bound tells isolated mail from mail behind the backlog on
+# a slow, loaded host; how fast resets arrive is bench/noisy_neighbour.py's to measure (each
+# within 1 s of its 250, max 0.03 s there).
+WAIT_BOUND = 10.0
 
 
 def config(tmp_path: Path, db_url: str, relay_port: int, sink_port: int) -> Path:
@@ -53,7 +59,7 @@ poll_interval = "250ms"
 "bulk.test" = "127.0.0.2:{sink_port}"
 "idle.test" = "127.0.0.2:{sink_port}"
 [delivery.destination."bulk.test"]
-rate = 200
+rate = {BULK_RATE}
 [log]
 delivery_log = ""
 """,
@@ -75,8 +81,9 @@ def send_reset(port: int, n: int) -> float:
 async def resets_waited_behind(
     tmp_path: Path, db_url: str, pool: asyncpg.Pool, backlog_org: uuid.UUID, lane: str
 ) -> list[float]:
-    """Queue the backlog, let it start draining, send the resets; each must arrive within a
-    second of its 250, while the backlog is still draining. Returns those seconds."""
+    """Queue the backlog, let it start draining, send the resets; each must arrive within
+    WAIT_BOUND of its 250, while more of the backlog than BULK_RATE drains in WAIT_BOUND is
+    still queued. Returns those seconds."""
     await bulk_queue(pool, backlog_org, messages=BACKLOG, domain="bulk.test", lane=lane, age=60)
     state = SinkState()
     sink = await start_sink(state, "127.0.0.2", 0)
@@ -99,9 +106,10 @@ async def resets_waited_behind(
     finally:
         serve.stop()
         await stop_servers([sink])
-    assert max(waits) < 1.0, sorted(waits)
-    # The backlog was still draining all along: the resets did not just find it gone.
-    assert still_queued > 0
+    assert max(waits) < WAIT_BOUND, sorted(waits)
+    # The backlog was still draining all along, and more of it than could drain within the
+    # bound: the resets did not just find it gone, nor wait behind it.
+    assert still_queued > BULK_RATE * WAIT_BOUND, still_queued
     return waits
 
 
