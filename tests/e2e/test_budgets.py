@@ -144,6 +144,7 @@ async def wait_for_first(state: SinkState, timeout: float = 60) -> float:
 
 
 WINDOW = 30  # seconds of steady state measured
+RATE = 50  # each budget's, messages a second
 
 
 @pytest.mark.slow
@@ -154,21 +155,23 @@ async def test_destination_org_and_lane_rates_hold_across_two_nodes_of_two_proce
     org_id: uuid.UUID,
     sinks: dict[str, tuple[SinkState, int]],
 ) -> None:
-    """rate = 100 for a destination (a.test), an org (`org set --rate`, mail to b.test) and a
-    lane (bulk, mail to c.test): each sink sees 90-110 messages a second in steady state.
+    """rate = RATE for a destination (a.test), an org (`org set --rate`, mail to b.test) and a
+    lane (bulk, mail to c.test): each sink sees RATE messages a second, +-10%, in steady state.
 
     Measured over 30 s: a bucket lets its capacity (a second's worth) through at once after a
     pause, and a delivery claimed before the window may reach the sink inside it; over 15 s those
-    edges alone could make 110 on a slow host."""
+    edges alone made 111 of 100 on a slow host. RATE is 50, not more, so that four processes on
+    a slow host sharing its 2 cores with the suite's other worker still keep up with three
+    budgets (at 100 each, 77-104 there)."""
     env = {"PIGEON_DATABASE_URL": db_url}
     assert run_pigeon("org", "add", "limited", env=env).returncode == 0
-    result = run_pigeon("org", "set", "limited", "--rate", "100", env=env)
+    result = run_pigeon("org", "set", "limited", "--rate", str(RATE), env=env)
     assert result.returncode == 0, result.stderr
     limited = await pool.fetchval("SELECT id FROM org WHERE name = 'limited'")
     for state, _ in sinks.values():
         state.slow_seconds = 0
-    extra = '[delivery.destination."a.test"]\nrate = 100\n[lanes.bulk]\nrate = 100\n'
-    backlog = 4000  # 100/s for the 4 s of start-up and the 30 s measured, and then some
+    extra = f'[delivery.destination."a.test"]\nrate = {RATE}\n[lanes.bulk]\nrate = {RATE}\n'
+    backlog = 50 * RATE  # for the 4 s of start-up and the 30 s measured, and then some
     await queue_to(pool, org_id, "a.test", backlog)
     await queue_to(pool, limited, "b.test", backlog)
     await queue_to(pool, org_id, "c.test", backlog, lane="bulk")
@@ -183,7 +186,7 @@ async def test_destination_org_and_lane_rates_hold_across_two_nodes_of_two_proce
         codes = [await stop(node) for node in nodes]
     assert codes == [0, 0], [node.output for node in nodes]
     rates = {d: rate_in_window(sinks[d][0], firsts[d] + 4, WINDOW) for d in DOMAINS}
-    assert all(90 <= rate <= 110 for rate in rates.values()), rates
+    assert all(0.9 * RATE <= rate <= 1.1 * RATE for rate in rates.values()), rates
     # Every node delivered to every budget: the budget is shared, not one node's.
     for domain in DOMAINS:
         helos = {m.helo for m in sinks[domain][0].messages}
