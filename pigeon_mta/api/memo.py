@@ -1,8 +1,8 @@
 """A process's short memory of the API's yes-answers: which key is valid, which sender domain is
 the org's (`api.auth_cache`).
 
-Asked of PostgreSQL at every request, the key and the sender domain were two transactions of a
-send's three and a half, and most of the database's CPU for API mail (bench/README.md, "HTTP API
+Asked of PostgreSQL at every request, the key and the sender domain would be two transactions of
+a send's three and a half, and most of the database's CPU for API mail (bench/README.md, "HTTP API
 and webhooks"). Remembered for a second, they cost one look-up per key and domain per second and
 process. Only "yes" is remembered: a key made or a domain added a moment ago works at once, and a
 wrong key is asked about every time. What a "yes" costs is the lag of a "no": a key revoked or a
