@@ -12,10 +12,14 @@ from typing import Literal
 import asyncpg
 import pytest
 
-from pigeon_mta.config import Duration, WebhookSettings
+from pigeon_mta.config import Duration, Settings, WebhookSettings
+from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.model import AttemptResult, Outcome, Reply
+from pigeon_mta.outbound.claims import Claims
+from pigeon_mta.outbound.recorder import Recorder
 from pigeon_mta.store import leases
 from pigeon_mta.store import webhooks as store_webhooks
+from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.webhooks.sender import WebhookSender
 from pigeon_mta.webhooks.signing import new_secret
 from tests.integration.test_bounces import claim_all, result
@@ -137,3 +141,37 @@ async def test_a_sender_waiting_for_a_records_take_does_not_spin(pool: asyncpg.P
     finally:
         await sender.stop(asyncio.get_running_loop().time() + 5)
     assert during <= 20, during
+
+
+async def test_a_record_whose_database_connection_drops_gives_the_room_back(
+    db_url: str,
+    pool: asyncpg.Pool,
+    org_id: uuid.UUID,
+    sender: WebhookSender,
+    receiver: WebhookReceiver,
+) -> None:
+    """The engine's recorder records on a connection the database then drops: the record fails,
+    the sender's room is free again at once, and the next record hands the events over."""
+    assert receiver.secret is not None
+    await store_webhooks.add_webhook(pool, org_id, receiver.url, ["delivered"], receiver.secret)
+    results = await delivered(pool, org_id, 2)
+    sender.take(await offered(sender), [], set())  # the start-up claim is over
+    record_pool = await asyncpg.create_pool(db_url, min_size=1, max_size=1)
+    try:
+        settings = Settings()
+        claims = Claims(record_pool, owner="test", lease=60)
+        recorder = Recorder(record_pool, settings, claims, DeliveryLog.open(""), sender)
+        backend = await record_pool.fetchval("SELECT pg_backend_pid()")
+        await pool.execute("SELECT pg_terminate_backend($1)", backend)
+
+        with pytest.raises(DB_ERRORS):
+            await recorder.record(results)
+
+        again = await asyncio.wait_for(sender.offer(), 5)
+        assert again is not store_webhooks.NO_OFFER
+        sender.take(again, [], set())
+        await recorder.record(results)  # a new connection
+    finally:
+        await record_pool.close()
+    await receiver.wait_for(lambda: len(receiver.requests) == 2, timeout=30)
+    assert await pool.fetchval("SELECT count(*) FROM webhook_event") == 2
