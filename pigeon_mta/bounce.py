@@ -7,7 +7,12 @@ round, and carries the original's header section (text/rfc822-headers), not its 
 
 The message is assembled by hand rather than through the email package: every byte of it is then
 visibly ours (CRLF line ends, folded fields, 7-bit delivery-status part), and text that came from a
-remote server cannot break out of the field it was put in.
+remote server cannot break out of the field it was put in. What came from outside is made fit for
+its field, never refused: a reply's text becomes plain ASCII (plain.py) in the delivery-status
+fields and is folded or cut to lines of at most 998 octets (RFC 5322 2.1.1); a status that is not
+a well-formed enhanced code gives way to the generic one; an address beyond ASCII (SMTPUTF8) is
+written as RFC 6533's `utf-8` address type in its 7-bit xtext form in the delivery status, and as
+UTF-8 (RFC 6532) in the To: field, which only an SMTPUTF8 path can carry to it anyway.
 """
 
 from __future__ import annotations
@@ -24,10 +29,16 @@ from typing import Literal
 from pigeon_mta.ids import new_id
 from pigeon_mta.message import split_at_blank_line
 from pigeon_mta.model import DSN_LISTENER, Envelope, Reply
+from pigeon_mta.plain import is_enhanced_code, plain_text
 
 EXPIRED_STATUS = "4.4.7"  # RFC 3463: delivery time expired
 MAX_ORIGINAL_HEADER_BYTES = 64 * 1024
 _FOLD_AT = 78
+# The longest run of a field's value without a space: a longer word is broken there, so that no
+# line passes RFC 5322's 998 octets.
+_LONGEST_WORD = 900
+# How much of a reply a DSN repeats, in the human part and in Diagnostic-Code.
+MAX_REPLY_CHARS = 4000
 
 Action = Literal["failed", "delayed"]
 
@@ -137,15 +148,20 @@ def build_delay_warning(
 
 def final_status(reply: Reply | None) -> str:
     """The DSN status of a permanent failure: the reply's 5.x.x code, else 5.0.0."""
-    if reply is not None and reply.enhanced_code and reply.enhanced_code.startswith("5."):
-        return reply.enhanced_code
-    return "5.0.0"
+    return _status_of(reply, "5") or "5.0.0"
 
 
 def delayed_status(reply: Reply | None) -> str:
-    if reply is not None and reply.enhanced_code and reply.enhanced_code.startswith("4."):
-        return reply.enhanced_code
-    return "4.0.0"
+    return _status_of(reply, "4") or "4.0.0"
+
+
+def _status_of(reply: Reply | None, klass: str) -> str | None:
+    """The reply's enhanced code when it is well-formed and of class `klass` (a code stored
+    before codes were read as ASCII digits may not be)."""
+    if reply is None or not is_enhanced_code(reply.enhanced_code):
+        return None
+    code = str(reply.enhanced_code)
+    return code if code.startswith(f"{klass}.") else None
 
 
 # ---------------------------------------------------------------- assembly
@@ -166,7 +182,7 @@ def _dsn(
     boundary = f"=_pigeon_{uuid.uuid4().hex}"
     head = [
         _field("From", f"Mail Delivery System <MAILER-DAEMON@{hostname}>"),
-        _field("To", f"<{_one_line(original.sender)}>"),
+        _field("To", f"<{_one_line(original.sender)}>", utf8=True),
         _field("Subject", subject),
         _field("Date", email.utils.format_datetime(now.astimezone(UTC))),
         _field("Message-ID", f"<{message_id}>"),
@@ -184,7 +200,7 @@ def _dsn(
             f'multipart/report; report-type=delivery-status; boundary="{boundary}"',
         ),
     ]
-    human_bytes = _wrap(human).encode("utf-8")
+    human_bytes = _wrap(human).encode("utf-8", "replace")
     status = _delivery_status(original, reports, hostname=hostname, retry_until=retry_until)
     headers = _crlf(original.headers).rstrip(b"\r\n") + b"\r\n"
     parts = [
@@ -196,7 +212,8 @@ def _dsn(
         _part("message/delivery-status", status, description="Delivery report"),
         _part("text/rfc822-headers", headers, description="Undelivered message headers"),
     ]
-    body = b"".join(line.encode("ascii") for line in head)
+    # ASCII but for an SMTPUTF8 sender in To: (RFC 6532).
+    body = b"".join(line.encode("utf-8") for line in head)
     body += b"\r\nThis is a MIME-encapsulated delivery status notification.\r\n"
     for part in parts:
         body += f"\r\n--{boundary}\r\n".encode("ascii") + part
@@ -228,12 +245,12 @@ def _delivery_status(
     ]
     for report, action, status in reports:
         block = [
-            _field("Final-Recipient", f"rfc822; {_ascii(report.address)}"),
+            _field("Final-Recipient", _address_type(report.address)),
             _field("Action", action),
-            _field("Status", status),
+            _field("Status", status if is_enhanced_code(status) else f"{status[:1]}.0.0"),
         ]
         if report.remote_mta:
-            block.append(_field("Remote-MTA", f"dns; {_ascii(report.remote_mta)}"))
+            block.append(_field("Remote-MTA", f"dns; {report.remote_mta}"))
         diagnostic = _diagnostic(report.reply)
         if diagnostic:
             block.append(_field("Diagnostic-Code", diagnostic))
@@ -250,22 +267,22 @@ def _diagnostic(reply: Reply | None) -> str | None:
     if reply is None or not (reply.code or reply.text):
         return None
     kind = "smtp" if reply.code else "X-Pigeon"
-    return f"{kind}; {_ascii(str(reply))}"
+    return f"{kind}; {plain_text(str(reply), MAX_REPLY_CHARS)}"
 
 
 def _explain(report: RecipientReport, status: str) -> list[str]:
     if status == EXPIRED_STATUS:
         why = "Delivery did not succeed before the message's time in the queue ran out."
         if report.reply is not None:
-            why += f" The last attempt ended with: {_one_line(str(report.reply))}"
+            why += f" The last attempt ended with: {_reply_line(report.reply)}"
     elif report.reply is None:
-        why = f"Status {status}."
+        why = f"Status {_one_line(status)}."
     elif report.reply.code and report.remote_mta:
-        why = f"The server {report.remote_mta} answered: {_one_line(str(report.reply))}"
+        why = f"The server {_one_line(report.remote_mta)} answered: {_reply_line(report.reply)}"
     elif report.reply.code:
-        why = f"The receiving server answered: {_one_line(str(report.reply))}"
+        why = f"The receiving server answered: {_reply_line(report.reply)}"
     else:
-        why = _one_line(str(report.reply))
+        why = _reply_line(report.reply)
     return [
         f"<{_one_line(report.address)}>",
         *textwrap.wrap(why, 72, initial_indent="    ", subsequent_indent="    "),
@@ -300,9 +317,26 @@ def _one_line(text: str) -> str:
     return " ".join(_CONTROL.sub(" ", text).split())
 
 
-def _ascii(text: str) -> str:
-    """One line of US-ASCII (delivery-status fields are ASCII, RFC 3464 section 2.1.2)."""
-    return _one_line(text).encode("ascii", "replace").decode("ascii")
+def _reply_line(reply: Reply) -> str:
+    """A reply for the human part: one line, no longer than MAX_REPLY_CHARS."""
+    text = _one_line(str(reply))
+    return text if len(text) <= MAX_REPLY_CHARS else text[: MAX_REPLY_CHARS - 3] + "..."
+
+
+# RFC 6533 section 3: utf-8-addr-xtext keeps printable ASCII but for SP, "\", "+" and "=".
+_XTEXT_PLAIN = frozenset(chr(c) for c in range(0x21, 0x7F)) - {"\\", "+", "="}
+
+
+def _address_type(address: str) -> str:
+    """An address as the value of Final-Recipient: `rfc822; addr` for an ASCII address (RFC
+    3464 2.3.2), else RFC 6533's `utf-8; ` with every character beyond printable ASCII (and
+    backslash, plus and equals) as backslash-x{HEX}: the 7-bit form (utf-8-addr-xtext) that
+    message/delivery-status asks for."""
+    address = _one_line(address)
+    if address.isascii():
+        return f"rfc822; {address}"
+    xtext = "".join(c if c in _XTEXT_PLAIN else f"\\x{{{ord(c):02X}}}" for c in address)
+    return f"utf-8; {xtext}"
 
 
 def _message_id(value: str | None) -> str | None:
@@ -314,9 +348,19 @@ def _message_id(value: str | None) -> str | None:
     return f"<{cleaned}>"
 
 
-def _field(name: str, value: str) -> str:
-    """`Name: value` + CRLF, folded at spaces to stay near 78 columns (RFC 5322 2.2.3)."""
-    words = _one_line(value).split(" ")
+def _field(name: str, value: str, *, utf8: bool = False) -> str:
+    """`Name: value` + CRLF, folded at spaces to stay near 78 columns (RFC 5322 2.2.3); a word
+    longer than _LONGEST_WORD is broken with a space. The value is plain ASCII (plain.py) unless
+    `utf8` lets it be UTF-8 (RFC 6532)."""
+    if utf8:
+        value = _one_line(value).encode("utf-8", "replace").decode("utf-8")
+    else:
+        value = plain_text(value, len(value) * 10 + 10)
+    words = [
+        word[i : i + _LONGEST_WORD]
+        for word in value.split(" ")
+        for i in range(0, max(1, len(word)), _LONGEST_WORD)
+    ]
     lines: list[str] = []
     line = f"{name}:"
     for word in words:

@@ -16,6 +16,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pigeon_mta.plain import is_digits
+
 
 class Duration(float):
     """Seconds, written in config as "250ms", "30s", "5m", "1h", "5d" or a bare number of seconds."""
@@ -29,7 +31,7 @@ class Duration(float):
         "w": 604800,
     }
     _PATTERN: typing.ClassVar[re.Pattern[str]] = re.compile(
-        r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$"
+        r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d|w)?\s*$"
     )
 
     # The longest duration accepted: longer ones are typing mistakes, and timers, timedelta and
@@ -92,7 +94,7 @@ class HostPort:
             if default_port is None:
                 raise ValueError(f"{value!r} has no port (write host:port)")
             return cls(host, default_port)
-        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        if not is_digits(port_text) or not 0 < int(port_text) < 65536:
             raise ValueError(f"{value!r} has an invalid port {port_text!r}")
         return cls(host, int(port_text))
 

@@ -127,6 +127,27 @@ WEBHOOK_BACKLOG = Gauge(
     multiprocess_mode="mostrecent",
 )
 
+# ---------------------------------------------------------------- the engine's record
+RECORD_FAILURES = Counter(
+    "pigeon_record_failures",
+    "Delivery results that could not be recorded at the first try (step: database, the batch "
+    "kept for a retry while the database is away; isolated, a result that failed its batch and "
+    "was recorded plain, alone; without_notices, recorded without its DSN and suppression entry; "
+    "dropped, not recorded at all: its lease runs out and it is tried again)",
+    ["step"],
+)
+RECORDER_PENDING = Gauge(
+    "pigeon_recorder_pending_results",
+    "Delivery results waiting to be recorded, over the live worker processes",
+    multiprocess_mode="livesum",
+)
+RECORDERS_STALLED = Gauge(
+    "pigeon_recorders_stalled",
+    "Worker processes whose results have waited longer than the recorder's stall time "
+    "without any being recorded (the node is then not ready)",
+    multiprocess_mode="livesum",
+)
+
 # ---------------------------------------------------------------- processes and readiness
 # Each worker sets its own value; the node's value is the sum over live processes.
 LISTENERS_BOUND = Gauge(
@@ -156,6 +177,7 @@ DELIVERY_OUTCOMES = ("delivered", "deferred", "bounced", "expired", "suppressed"
 DKIM_ALGORITHMS = ("rsa", "ed25519")
 WEBHOOK_OUTCOMES = ("delivered", "retried", "failed")
 DKIM_UNSIGNED_REASONS = ("no_key", "no_from_domain", "malformed")
+RECORD_FAILURE_STEPS = ("database", "isolated", "without_notices", "dropped")
 
 
 def start_at_zero(listeners: Iterable[str]) -> None:
@@ -174,3 +196,5 @@ def start_at_zero(listeners: Iterable[str]) -> None:
         DKIM_SIGNATURES.labels(algorithm=algorithm)
     for reason in DKIM_UNSIGNED_REASONS:
         DKIM_UNSIGNED.labels(reason=reason)
+    for step in RECORD_FAILURE_STEPS:
+        RECORD_FAILURES.labels(step=step)

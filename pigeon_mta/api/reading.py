@@ -23,6 +23,7 @@ from pigeon_mta.api import problems
 from pigeon_mta.api.auth import Authenticator
 from pigeon_mta.api.problems import Problem
 from pigeon_mta.delivery_records import story_records, timestamp_text
+from pigeon_mta.plain import is_digits
 from pigeon_mta.store import events as store_events
 from pigeon_mta.store import message_pages
 from pigeon_mta.store.connect import DB_ERRORS
@@ -195,7 +196,7 @@ def decode_cursor(cursor: str) -> Position:
     except (binascii.Error, UnicodeDecodeError):
         raise ValueError(cursor) from None
     micros, _, queue_id = text.partition(".")
-    if not micros.isdigit() or len(micros) > 20:
+    if not is_digits(micros) or len(micros) > 20:
         raise ValueError(cursor)
     try:
         when = _EPOCH + timedelta(microseconds=int(micros))

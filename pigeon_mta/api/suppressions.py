@@ -21,6 +21,7 @@ from pigeon_mta.api import problems
 from pigeon_mta.api.auth import Authenticator
 from pigeon_mta.api.problems import Problem
 from pigeon_mta.delivery_records import timestamp_text
+from pigeon_mta.plain import is_digits
 from pigeon_mta.store import suppression as store_suppression
 from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.store.suppression import Suppression
@@ -127,7 +128,7 @@ def _page_query(request: web.Request) -> tuple[str | None, int]:
     limit = DEFAULT_LIMIT
     if "limit" in request.query:
         text = request.query["limit"]
-        if not text.isdigit() or not 1 <= int(text) <= MAX_LIMIT:
+        if not is_digits(text) or not 1 <= int(text) <= MAX_LIMIT:
             raise _bad_parameter("limit", f"must be a whole number from 1 to {MAX_LIMIT}")
         limit = int(text)
     # The cursor is the last address of the previous page: the list is read in address order.

@@ -30,6 +30,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from prometheus_client.process_collector import ProcessCollector
 
 from pigeon_mta import metrics
+from pigeon_mta.plain import is_digits
 
 ENV_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -68,7 +69,7 @@ def remove_stale_directories(parent: Path | None = None) -> list[Path]:
     removed = []
     for path in Path(parent or tempfile.gettempdir()).glob(f"{DIR_PREFIX}*-*"):
         pid_text = path.name[len(DIR_PREFIX) :].split("-", 1)[0]
-        if not pid_text.isdigit() or not path.is_dir():
+        if not is_digits(pid_text) or not path.is_dir():
             continue
         try:
             if path.stat().st_uid != os.getuid():

@@ -1,8 +1,9 @@
 """Liveness and readiness of a node, and the queue gauges set from the supervisor's stats query.
 
 Ready means: not stopping, the database answers, at least one worker process has started all its
-services, and every configured listener, the HTTP API's included, is bound in at least one live
-worker process.
+services, every configured listener, the HTTP API's included, is bound in at least one live
+worker process, and no live worker's recorder is stalled (outbound/recorder.py: results waiting
+with none recorded for long: delivered mail would stay `delivering` and be sent again later).
 
 How a listener reports "bound": the submission service (and the API service, under the listener
 name `api`) sets the multiprocess gauge `metrics.LISTENERS_BOUND.labels(listener=name).set(1)` once
@@ -27,6 +28,7 @@ DATABASE_CHECK_TIMEOUT = 2.0
 
 _LISTENERS_BOUND = family_name(metrics.LISTENERS_BOUND)
 _WORKERS_READY = family_name(metrics.WORKERS_READY)
+_RECORDERS_STALLED = family_name(metrics.RECORDERS_STALLED)
 
 
 # The live-queue statuses of pigeon_queue_recipients: "queued" (not tried yet), "deferred"
@@ -92,10 +94,21 @@ class Readiness:
         for name in self.listeners:
             count = bound.get((("listener", name),), 0.0)
             checks.append(Check(f"listener {name}", count >= 1, f"bound in {count:g} process(es)"))
+        stalled = values.get(_RECORDERS_STALLED, {}).get((), 0.0)
+        checks.append(
+            Check(
+                "recorder",
+                stalled == 0,
+                "recording"
+                if stalled == 0
+                else f"{stalled:g} worker process(es) have recorded no delivery result for too "
+                "long while results wait (see the log)",
+            )
+        )
         return checks
 
     def _process_values(self) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
-        return self.exposition.sample_values(_WORKERS_READY, _LISTENERS_BOUND)
+        return self.exposition.sample_values(_WORKERS_READY, _LISTENERS_BOUND, _RECORDERS_STALLED)
 
     async def _database(self) -> Check:
         try:

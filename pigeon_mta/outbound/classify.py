@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from pigeon_mta.model import Outcome, Reply
+from pigeon_mta.plain import ENHANCED_CODE
 
 # Where in the conversation a reply or error came from.
 #   route:   DNS / routing, before any connection (local findings carry code 0)
@@ -35,8 +36,14 @@ from pigeon_mta.model import Outcome, Reply
 Stage = Literal["route", "connect", "auth", "mail", "rcpt", "data", "dot"]
 
 # An enhanced status code at the start of a reply's text (RFC 3463 section 2; RFC 2034 section 4
-# puts one space between it and the text).
-_ENHANCED = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})(?:\s+|$)")
+# puts one space between it and the text). ASCII digits only (plain.py).
+_ENHANCED = re.compile(ENHANCED_CODE.pattern + r"(?:[ \t]+|$)", re.ASCII)
+
+# How much of a reply's text is read to classify it. The words that tell a reason come first
+# (the enhanced code, "user unknown", "rate limited"); a hostile server's 32 KB reply is not worth
+# reading whole, and every rule below runs in time linear in what it reads (no unbounded
+# repetition: tests/unit/test_outbound_classify.py checks each pattern).
+CLASSIFY_PREFIX = 2048
 
 
 @dataclass(frozen=True)
@@ -239,7 +246,7 @@ RULES: tuple[Rule, ...] = (
         text=r"rate.?limit|too many (messages|connections|recipients|mails|emails|concurrent|"
         r"sessions)|unusual rate|receiving mail (at a rate|too quickly)|unexpected volume|"
         r"throttl|server busy|temporarily deferred|slow down|too much mail|sending (rate|quota|"
-        r"limit)|sent too many|exceeded .*(rate|sending)",
+        r"limit)|sent too many|exceeded [^.;]{0,40}(rate|sending)",
     ),
     # ---- TLS and connection troubles, whatever the code
     rule(
@@ -312,7 +319,7 @@ RULES: tuple[Rule, ...] = (
         r"recipient unknown|nosuchuser|not a valid (mailbox|recipient|user|address)|"
         r"invalid (recipient|mailbox)|(recipient|mailbox) (address )?(is )?invalid|"
         r"(account|mailbox|address|user) (does not|doesn't) exist|does not exist here|"
-        r"doesn't have an? [a-z0-9.-]+ account|unrouteable address|no mailbox here|"
+        r"doesn't have an? [a-z0-9.-]{1,64} account|unrouteable address|no mailbox here|"
         r"address (is )?unknown|bad destination mailbox|undeliverable address",
     ),
     rule("mailbox-unavailable", C.INVALID_RECIPIENT, code="5..", text=r"mailbox unavailable"),
@@ -347,7 +354,7 @@ RULES: tuple[Rule, ...] = (
     rule("enhanced-routing", C.DNS, enhanced="x.4.(3|4)"),
     rule("enhanced-congestion", C.RATE_LIMITED, enhanced="x.4.5"),
     rule("enhanced-expired", C.EXPIRED, enhanced="x.4.7"),
-    rule("enhanced-protocol", C.PROTOCOL, enhanced="x.5.[0-9]+"),
+    rule("enhanced-protocol", C.PROTOCOL, enhanced="x.5.[0-9]{1,3}"),
     rule("enhanced-authentication", C.AUTHENTICATION, enhanced="x.7.(8|2[0-6])"),
     rule("enhanced-tls", C.TLS, enhanced="x.7.(4|5|6|10|11)"),
     rule("enhanced-mail-flood", C.RATE_LIMITED, enhanced="x.7.28"),
@@ -356,7 +363,7 @@ RULES: tuple[Rule, ...] = (
     # connection", Microsoft's 4.7.650-652 ("temporarily rate limited due to IP reputation").
     rule("throttle-421-4.7.0", C.RATE_LIMITED, code="421", enhanced="4.7.0"),
     rule("enhanced-rate-limited-ip", C.RATE_LIMITED, enhanced="4.7.65[0-2]"),
-    rule("enhanced-security", C.POLICY, enhanced="x.7.[0-9]+"),
+    rule("enhanced-security", C.POLICY, enhanced="x.7.[0-9]{1,3}"),
     # ---- only the basic code (RFC 5321 section 4.2.2)
     rule("code-closing", C.CONNECTION, code="421"),
     rule("code-storage", C.MAILBOX_FULL, code="552"),
@@ -372,11 +379,12 @@ RULES: tuple[Rule, ...] = (
 def classify_reply(reply: Reply) -> Classification:
     """The category of a reply (or of a local failure dressed as one) and the rule that chose it."""
     code = f"{reply.code:03d}" if 0 <= reply.code <= 999 else "000"
+    head = reply.text[:CLASSIFY_PREFIX]
     enhanced = reply.enhanced_code or ""
     if not enhanced:
         # Some servers' enhanced codes reach us still inside the text.
-        enhanced = split_enhanced_code(reply.text.lstrip())[0] or ""
-    text = " ".join(reply.text.split()).lower()
+        enhanced = split_enhanced_code(head.lstrip())[0] or ""
+    text = " ".join(head.split()).lower()
     for candidate in RULES:
         if candidate.matches(code, enhanced, text):
             return Classification(candidate.category, candidate.name)
@@ -392,8 +400,9 @@ def suppresses(category: str | None) -> bool:
 
 # "try again in 60 seconds", "retry after 5 minutes", "please retry in 2 min": the delay a
 # throttling destination asks for, honoured as the earliest next try.
+# (Read in text whose white space is single spaces.)
 _RETRY_DELAY = re.compile(
-    r"\b(?:try(?: again)?|retry|again)\s+(?:in|after)\s+(\d{1,6})\s*"
+    r"\b(?:try(?: again)?|retry|again) (?:in|after) ([0-9]{1,6}) ?"
     r"(seconds?|secs?|s|minutes?|mins?|m|hours?|hrs?|h)\b"
 )
 _DELAY_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
@@ -404,7 +413,7 @@ MAX_STATED_DELAY = 3600.0
 
 def stated_retry_delay(text: str) -> float | None:
     """The retry delay a reply's text states, in seconds, or None when it states none."""
-    match = _RETRY_DELAY.search(" ".join(text.split()).lower())
+    match = _RETRY_DELAY.search(" ".join(text[:CLASSIFY_PREFIX].split()).lower())
     if match is None:
         return None
     return min(MAX_STATED_DELAY, int(match[1]) * _DELAY_UNITS[match[2][0]])

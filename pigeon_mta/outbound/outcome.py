@@ -29,6 +29,7 @@ from pigeon_mta.outbound.classify import (
     stated_retry_delay,
     suppresses,
 )
+from pigeon_mta.plain import is_enhanced_code, plain_text
 from pigeon_mta.signer import KeysUnavailable
 from pigeon_mta.store import leases as store_leases
 from pigeon_mta.store import suppression as store_suppression
@@ -178,7 +179,7 @@ def interrupted_after_data(
 # reads differently from one try to the next, or is not "unknown-error" at all.
 LOCAL_FAILURE_LIMIT = 3
 
-_REPEATS = re.compile(r" \(the same local failure on (\d+) attempts in a row\)\Z")
+_REPEATS = re.compile(r" \(the same local failure on ([0-9]+) attempts in a row\)\Z")
 
 
 def give_up_repeated_failure(
@@ -230,6 +231,30 @@ def backoff_delay(
     return (rng or random).uniform(low, high)
 
 
+# ---------------------------------------------------------------- a result made plain
+
+
+def plain_result(result: AttemptResult, why: str) -> AttemptResult:
+    """`result` with nothing in it that came from outside but plain ASCII, for a result that
+    could not be recorded as it was (outbound/recorder.py): the same recipient, claim, outcome and
+    next try, the reply's text plain and bounded, its enhanced code only when well-formed, and
+    `why` it is plain in the text and the rule."""
+    reply = result.reply
+    enhanced = reply.enhanced_code if is_enhanced_code(reply.enhanced_code) else None
+    text = f"{plain_text(reply.text)} (recorded plain: {plain_text(why, 200)})"
+    return dataclasses.replace(
+        result,
+        reply=Reply(reply.code if 0 <= reply.code <= 999 else 0, enhanced, text),
+        mx_host=None if result.mx_host is None else plain_text(result.mx_host, 255),
+        ip=None if result.ip is None else plain_text(result.ip, 64),
+        tls_version=None if result.tls_version is None else plain_text(result.tls_version, 64),
+        tls_cipher=None if result.tls_cipher is None else plain_text(result.tls_cipher, 128),
+        category=result.category and plain_text(result.category, 64),
+        rule=f"{plain_text(result.rule or '', 200)}; record-failed".lstrip("; "),
+        dkim=result.dkim and plain_text(result.dkim, 500),
+    )
+
+
 # ---------------------------------------------------------------- applying a batch
 
 
@@ -253,13 +278,15 @@ async def apply_outcomes(
     hostname: str,
     suppress_for: float = 0,
     offer: Offer = NO_OFFER,
+    notices_too: bool = True,
 ) -> Applied:
     """Record a batch of outcomes in ONE transaction: the recipients' state and attempt rows, the
     webhook events (those within `offer` claimed for its sender), the DSNs for failures and the
-    suppression entries for hard bounces."""
+    suppression entries for hard bounces. `notices_too=False` leaves out the DSNs and the
+    suppression entries: the last resort for a result whose DSN cannot be built."""
     if not results:
         return Applied(applied=set())
-    if not any(r.outcome in FAILED_OUTCOMES for r in results):
+    if not notices_too or not any(r.outcome in FAILED_OUTCOMES for r in results):
         # Nothing to bounce or suppress: the record statement is the whole transaction (one round
         # trip instead of BEGIN, record, COMMIT; most batches under load are like this).
         recorded = await store_leases.record_outcomes(db, results, offer)

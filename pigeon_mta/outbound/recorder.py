@@ -1,10 +1,19 @@
 """The engine's record stage: results wait here and are recorded in batches, one transaction each.
 
 Each batch goes through `apply_outcomes` (outbound/outcome.py); what took effect is counted, and
-the delivery log gets its records after the commit (the same events are in the database). A batch
-that cannot be recorded is kept and tried again: dropping it would send the mail again once its
-leases ran out. The process's webhook sender offers each batch its free room, and gets the webhook
-events written within it after the commit, already claimed for it (webhooks/sender.py).
+the delivery log gets its records after the commit (the same events are in the database). The
+process's webhook sender offers each batch its free room, and gets the webhook events written
+within it after the commit, already claimed for it (webhooks/sender.py).
+
+What a failed record means decides what happens to its batch. While the database is away
+(`is_transient`) the batch is kept and tried again: dropping it would send the mail again once its
+leases ran out. Any other failure is about some result in it (a reply no DSN can carry, a value
+the database refuses), and the same batch would fail again for ever, holding every other outcome
+of the process with it. So the batch is split in halves until the result that fails is alone;
+that one is recorded plain (outcome.plain_result: ASCII, bounded, its reason in the text), else
+without its DSN, else dropped with an error in the log; the rest of the batch is recorded as it
+is. A recorder whose results wait longer than `STALL_AFTER` without any being recorded counts
+itself in `pigeon_recorders_stalled`, and the node is not ready (observability/health.py).
 """
 
 from __future__ import annotations
@@ -20,17 +29,22 @@ import asyncpg
 
 from pigeon_mta.config import Settings
 from pigeon_mta.deliverylog import DeliveryLog
-from pigeon_mta.metrics import DELIVERIES
+from pigeon_mta.metrics import DELIVERIES, RECORD_FAILURES, RECORDER_PENDING, RECORDERS_STALLED
 from pigeon_mta.model import AttemptResult, Delivery
 from pigeon_mta.outbound.claims import Claims
-from pigeon_mta.outbound.outcome import apply_outcomes
-from pigeon_mta.store.connect import DB_ERRORS
+from pigeon_mta.outbound.outcome import apply_outcomes, plain_result
+from pigeon_mta.plain import plain_text
+from pigeon_mta.store.connect import is_transient
 from pigeon_mta.store.webhooks import NO_OFFER, ClaimedEvent, Offer
 
 log = logging.getLogger(__name__)
 
 # Results recorded in one statement at most; a busy engine records in batches of up to this.
 RECORD_BATCH = 1000
+# Seconds results may wait with none recorded before the recorder says it is stalled.
+STALL_AFTER = 30.0
+# Seconds between two tries of a batch while the database is away.
+RETRY_AFTER = 1.0
 
 
 class EventHandoff(Protocol):
@@ -56,8 +70,11 @@ class Recorder:
         claims: Claims,
         delivery_log: DeliveryLog,
         webhooks: EventHandoff | None = None,
+        *,
+        stall_after: float = STALL_AFTER,
     ) -> None:
         self.pool = pool
+        self.stall_after = stall_after
         self.settings = settings
         self.claims = claims
         self.delivery_log = delivery_log
@@ -67,10 +84,17 @@ class Recorder:
         self._finishing = False
         # When the oldest pending result came (on the event loop's clock), at the latest.
         self._since = 0.0
+        # When results last were recorded, or began to wait with none pending before: the
+        # recorder is stalled when results wait and this is older than STALL_AFTER.
+        self._progress_at: float | None = None
+        self._stalled = False
 
     def submit(self, results: Sequence[AttemptResult]) -> None:
         self.claims.judged(results)
+        if not self._pending:
+            self._progress_at = asyncio.get_running_loop().time()
         self._pending.extend(results)
+        RECORDER_PENDING.set(len(self._pending))
         self._pending_event.set()
 
     def finish(self) -> None:
@@ -83,16 +107,93 @@ class Recorder:
         database error is raised, and the results stay pending."""
         final = [*self._pending, *extra]
         if final:
-            await self.record(final)
-            for result in final:
+            done, error = await self.record_isolating(final)
+            for result in final[:done]:
                 self.claims.forget(result)
+            if error is not None:
+                del self._pending[: min(done, len(self._pending))]
+                raise error
         self._pending.clear()
+        RECORDER_PENDING.set(0)
 
-    async def record(self, results: Sequence[AttemptResult]) -> None:
+    async def record_isolating(
+        self, batch: Sequence[AttemptResult]
+    ) -> tuple[int, BaseException | None]:
+        """Record `batch`, split around the results that cannot be recorded as they are (see the
+        module's docstring). Returns how many of the batch, from its start, are done (recorded,
+        or dropped), and the database error that stopped the rest (None: all are done)."""
+        parts: list[Sequence[AttemptResult]] = [batch]
+        done = 0
+        while parts:
+            part = parts.pop(0)
+            try:
+                await self.record(part)
+            except Exception as exc:
+                if is_transient(exc):
+                    return done, exc
+                if len(part) > 1:
+                    middle = len(part) // 2
+                    parts[0:0] = [part[:middle], part[middle:]]
+                    continue
+                try:
+                    await self._record_alone(part[0], exc)
+                except Exception as lost:
+                    if is_transient(lost):
+                        return done, lost
+                    raise  # _record_alone raises nothing else
+            done += len(part)
+        return done, None
+
+    async def _record_alone(self, result: AttemptResult, exc: BaseException) -> None:
+        """One result that failed on its own: recorded plain, else plain without its DSN and
+        suppression entry, else dropped (its lease runs out and it is tried again). Raises only a
+        transient database error."""
+        why = plain_text(f"{type(exc).__name__}: {exc}", 200)
+        log.error(
+            "could not record the outcome of recipient %s (attempt %d, %s): %s; recording it plain",
+            result.recipient_id,
+            result.attempt,
+            result.outcome,
+            why,
+            exc_info=exc,
+        )
+        RECORD_FAILURES.labels(step="isolated").inc()
+        plain = plain_result(result, why)
+        try:
+            await self.record([plain])
+            return
+        except Exception as again:
+            if is_transient(again):
+                raise
+            log.error(
+                "could not record the plain outcome of recipient %s either (%s); recording it "
+                "without its DSN and suppression entry",
+                result.recipient_id,
+                plain_text(f"{type(again).__name__}: {again}", 200),
+                exc_info=again,
+            )
+        RECORD_FAILURES.labels(step="without_notices").inc()
+        try:
+            await self.record([plain], notices_too=False)
+            return
+        except Exception as last:
+            if is_transient(last):
+                raise
+            log.error(
+                "could not record the outcome of recipient %s at all (%s): dropped; its lease "
+                "runs out and it is tried again (a possible duplicate)",
+                result.recipient_id,
+                plain_text(f"{type(last).__name__}: {last}", 200),
+                exc_info=last,
+            )
+        RECORD_FAILURES.labels(step="dropped").inc()
+
+    async def record(self, results: Sequence[AttemptResult], *, notices_too: bool = True) -> None:
         """Record one batch of outcomes, in ONE database transaction.
 
         Everything that must commit together with an outcome belongs in this transaction (bounce
-        messages for bounced and expired recipients, suppression entries).
+        messages for bounced and expired recipients, suppression entries); `notices_too=False`
+        leaves those out (`_record_alone`).
         """
         offer = await self.webhooks.offer() if self.webhooks is not None else NO_OFFER
         events: list[ClaimedEvent] = []
@@ -104,6 +205,7 @@ class Recorder:
                 hostname=self.settings.server.hostname,
                 suppress_for=self.settings.bounces.suppress_for,
                 offer=offer,
+                notices_too=notices_too,
             )
             events, waiting = done.events, done.waiting_events
         finally:
@@ -131,8 +233,17 @@ class Recorder:
             self.delivery_log.attempts(delivery, delivered)
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            # A recorder that has stopped is no longer stalled; what it left is the engine's.
+            self._progress_at = None
+            self._watch(0.0)
+
+    async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            self._watch(loop.time())
             if not self._pending:
                 if self._finishing:
                     return
@@ -150,24 +261,54 @@ class Recorder:
                 continue
             batch = self._pending[:RECORD_BATCH]
             started = loop.time()
-            try:
-                await self.record(batch)
-            except DB_ERRORS as exc:
-                log.warning("could not record %d delivery result(s): %s; retrying", len(batch), exc)
+            done, error = await self.record_isolating(batch)
+            for result in batch[:done]:
+                self.claims.forget(result)
+            del self._pending[:done]
+            RECORDER_PENDING.set(len(self._pending))
+            if done:
+                self._progress_at = loop.time()
+            if error is not None:
+                # The database is away: the rest is kept (dropping it would send the mail again
+                # after the lease) and tried again.
+                RECORD_FAILURES.labels(step="database").inc()
+                log.warning(
+                    "could not record %d delivery result(s): %s; retrying",
+                    len(batch) - done,
+                    plain_text(str(error) or type(error).__name__, 200),
+                )
                 if self._finishing:
                     return
-                await asyncio.sleep(1.0)
+                self._watch(loop.time())
+                await asyncio.sleep(RETRY_AFTER)
                 continue
-            except Exception:
-                # Keep the results (dropping them would send the mail again after the lease);
-                # the error is in the log every time it happens.
-                log.exception("could not record %d delivery result(s); retrying", len(batch))
-                if self._finishing:
-                    return
-                await asyncio.sleep(1.0)
-                continue
-            del self._pending[: len(batch)]
             # What is still pending came while this batch was being recorded.
             self._since = started
-            for result in batch:
-                self.claims.forget(result)
+
+    def _watch(self, now: float) -> None:
+        """Say whether results have waited longer than `stall_after` with none recorded."""
+        stalled = (
+            bool(self._pending)
+            and self._progress_at is not None
+            and now - self._progress_at > self.stall_after
+        )
+        if stalled != self._stalled:
+            self._stalled = stalled
+            RECORDERS_STALLED.set(1 if stalled else 0)
+            if stalled:
+                log.error(
+                    "the recorder has recorded nothing for over %g s while %d result(s) wait",
+                    self.stall_after,
+                    len(self._pending),
+                )
+            else:
+                log.info("the recorder records again")
+
+    @property
+    def stalled(self) -> bool:
+        return self._stalled
+
+    @property
+    def pending(self) -> tuple[AttemptResult, ...]:
+        """The results waiting to be recorded."""
+        return tuple(self._pending)

@@ -29,6 +29,31 @@ DB_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+# SQLSTATE classes of a server that is away, restarting, overloaded or failing over: the same
+# statement may succeed later. Everything else it raises (bad data, class 22; a constraint, 23; a
+# program limit, 54; a bug in a statement, 42) fails again for the same values.
+_TRANSIENT_CLASSES = frozenset({"08", "40", "53", "55", "57", "58", "XX", "HV"})
+_READ_ONLY = "25006"  # read_only_sql_transaction: a primary that became a standby
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a database call's error is about the database's state (down, restarting, read-only,
+    slow) rather than about the values it was given: only then is the same call worth trying again
+    as it is. asyncpg raises DataError for values it cannot even send (a lone surrogate, a str for
+    a timestamp), as PostgreSQL's class 22 does for values it cannot store (NUL, a date out of
+    range)."""
+    if isinstance(exc, asyncpg.PostgresError):
+        state = str(getattr(exc, "sqlstate", "") or "")
+        return state == _READ_ONLY or state[:2] in _TRANSIENT_CLASSES
+    return isinstance(exc, DB_ERRORS)
+
+
+def is_bad_input(exc: BaseException) -> bool:
+    """Whether a database call failed on the values it was given (SQLSTATE class 22, or asyncpg's
+    DataError for a value it could not encode): the caller's input, never an outage."""
+    return isinstance(exc, asyncpg.DataError | asyncpg.ProgramLimitExceededError)
+
+
 class DatabaseUnavailable(Exception):
     """The database cannot be reached or started; the message says why, in one sentence."""
 

@@ -110,7 +110,7 @@ _DEFAULT_DETAIL = {
     "554": "5.7.0",
     "555": "5.5.4",
 }
-_HAS_DETAIL = re.compile(r"\d{3}[ -][245]\.\d{1,3}\.\d{1,3}(?: |$)")
+_HAS_DETAIL = re.compile(r"[0-9]{3}[ -][245]\.[0-9]{1,3}\.[0-9]{1,3}(?: |$)", re.ASCII)
 
 
 def with_enhanced_code(reply: str) -> str:
