@@ -2,6 +2,12 @@
 
 Cheap periodic queries that the supervisor runs beside the worker processes. What follows from them
 comes in as hooks: the queue gauges, and the delivery-log records of expiries (`log_expiries`).
+
+Each task of a round stands alone: one that fails for anything but the database being away is
+logged, counted in `pigeon_maintenance_failures_total{task}`, and the round goes on with the next,
+so that a bug or a bad row in one (a DSN nobody can build) never stops the others (retention,
+expiry, the duplicate window) on every node. Within a task, one bad row is the task's to skip
+(notices.py leaves out a DSN it cannot build or queue).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import asyncpg
 
@@ -22,7 +29,7 @@ from pigeon_mta.store import events as store_events
 from pigeon_mta.store import leases as store_leases
 from pigeon_mta.store import upkeep as store_upkeep
 from pigeon_mta.store import webhooks as store_webhooks
-from pigeon_mta.store.connect import DB_ERRORS
+from pigeon_mta.store.connect import is_transient
 
 # Logged under the name of the command it runs in: the name is a field of every log line.
 log = logging.getLogger("pigeon_mta.serve")
@@ -64,22 +71,45 @@ class Maintenance:
                 if not self.healthy:
                     log.info("database reachable again")
                 self.healthy = True
-            except DB_ERRORS as exc:
-                if self.healthy:
-                    log.warning("queue maintenance cannot reach the database: %s", exc)
-                self.healthy = False
-            except Exception:
-                # Sweeping, expiry and stats must outlive a bug in one round.
-                log.exception("queue maintenance round failed")
+            except Exception as exc:
+                if not is_transient(exc):
+                    # Sweeping, expiry and stats must outlive a bug in one round.
+                    log.exception("queue maintenance round failed")
+                else:
+                    if self.healthy:
+                        log.warning("queue maintenance cannot reach the database: %s", exc)
+                    self.healthy = False
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
 
     async def sweep_once(self) -> None:
+        """One round of every task; a database that is away stops it (raised)."""
+        for task in (
+            self._requeue_lost_leases,
+            self._expire,
+            self._warn_delayed,
+            self._purge,
+        ):
+            await self._task(task)
+
+    async def _task(self, task: Callable[[], Awaitable[Any]]) -> None:
+        name = task.__name__.lstrip("_")
+        try:
+            await task()
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            metrics.MAINTENANCE_FAILURES.labels(task=name).inc()
+            log.exception("queue maintenance: %s failed; the round goes on", name)
+
+    async def _requeue_lost_leases(self) -> None:
         requeued = await store_leases.requeue_expired_leases(self.pool)
         if requeued:
             log.warning(
                 "lease sweeper: %d recipient(s) whose lease ran out are queued again", requeued
             )
+
+    async def _expire(self) -> None:
         # Expiry and the DSNs it owes the senders commit together (notices.py).
         expired = (
             await notices.expire_and_bounce(
@@ -109,6 +139,8 @@ class Maintenance:
         if self._unlogged and self.on_expired is not None:
             await self.on_expired(self._unlogged)
             self._unlogged = []
+
+    async def _warn_delayed(self) -> None:
         warn_after = self.settings.bounces.delay_warning_after
         if warn_after > 0:
             warned = await notices.warn_delayed(
@@ -126,6 +158,8 @@ class Maintenance:
                     format_duration(warn_after),
                     len(warned.warnings),
                 )
+
+    async def _purge(self) -> None:
         keep = self.settings.retention.messages
         if keep > 0:
             purged = await store_upkeep.purge_finished_messages(self.pool, older_than=keep)

@@ -136,6 +136,19 @@ RECORD_FAILURES = Counter(
     "dropped, not recorded at all: its lease runs out and it is tried again)",
     ["step"],
 )
+DSN_FAILURES = Counter(
+    "pigeon_dsn_failures",
+    "DSNs that could not be made at the first try (step: plain, built again from the replies' "
+    "plain text; skipped, not built at all; refused, built but refused by the database): a "
+    "skipped or refused DSN leaves its sender untold, with an error in the log",
+    ["step"],
+)
+MAINTENANCE_FAILURES = Counter(
+    "pigeon_maintenance_failures",
+    "Queue maintenance tasks that failed for another reason than the database being away "
+    "(task: requeue_lost_leases, expire, warn_delayed, purge); the round went on without them",
+    ["task"],
+)
 RECORDER_PENDING = Gauge(
     "pigeon_recorder_pending_results",
     "Delivery results waiting to be recorded, over the live worker processes",
@@ -178,6 +191,8 @@ DKIM_ALGORITHMS = ("rsa", "ed25519")
 WEBHOOK_OUTCOMES = ("delivered", "retried", "failed")
 DKIM_UNSIGNED_REASONS = ("no_key", "no_from_domain", "malformed")
 RECORD_FAILURE_STEPS = ("database", "isolated", "without_notices", "dropped")
+DSN_FAILURE_STEPS = ("plain", "skipped", "refused")
+MAINTENANCE_TASKS = ("requeue_lost_leases", "expire", "warn_delayed", "purge")
 
 
 def start_at_zero(listeners: Iterable[str]) -> None:
@@ -198,3 +213,7 @@ def start_at_zero(listeners: Iterable[str]) -> None:
         DKIM_UNSIGNED.labels(reason=reason)
     for step in RECORD_FAILURE_STEPS:
         RECORD_FAILURES.labels(step=step)
+    for step in DSN_FAILURE_STEPS:
+        DSN_FAILURES.labels(step=step)
+    for task in MAINTENANCE_TASKS:
+        MAINTENANCE_FAILURES.labels(task=task)

@@ -7,6 +7,8 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
+from pigeon_mta.plain import is_enhanced_code, plain_text
+
 
 class Status(enum.StrEnum):
     """A recipient's place in the queue (the `recipient.status` column)."""
@@ -130,6 +132,16 @@ class Reply:
         if enhanced == self.enhanced_code and text == self.text:
             return self
         return Reply(self.code, enhanced, text or "")
+
+    def plain(self, note: str = "") -> Reply:
+        """This reply with nothing in it but plain ASCII (plain.py): its text one bounded line,
+        its enhanced code only when well-formed, its code only when one of SMTP's; `note` is
+        added to the text in parentheses."""
+        text = plain_text(self.text)
+        if note:
+            text = f"{text} ({plain_text(note, 200)})"
+        enhanced = self.enhanced_code if is_enhanced_code(self.enhanced_code) else None
+        return Reply(self.code if 0 <= self.code <= 999 else 0, enhanced, text)
 
     def __str__(self) -> str:
         parts = [str(self.code)] if self.code else []

@@ -4,12 +4,22 @@ A recipient that becomes `bounced` or `expired` and the DSN that tells its sende
 a crash can lose neither alone. The DSN is an ordinary queued message (null sender, org of the
 original), so it is delivered, retried and logged like any other mail. The store reads the
 recipients (store/bounces.py) and queues what is built here (bounce.py writes the bytes).
+
+One DSN never costs the others, nor the outcomes they report: a DSN that cannot be built from
+what the recipients' replies say is built again from their plain ASCII (`Reply.plain`), and one
+that still cannot be built, or that the database refuses to queue (each is then queued alone,
+under a savepoint), is left out, with an error in the log and `pigeon_dsn_failures_total`
+counting it. Any other error fails the transaction, so that an outcome and its DSN commit together
+or not at all.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -23,13 +33,20 @@ from pigeon_mta.bounce import (
     header_section,
 )
 from pigeon_mta.ids import new_id
+from pigeon_mta.metrics import DSN_FAILURES
 from pigeon_mta.model import Envelope, Status
+from pigeon_mta.plain import plain_text
 from pigeon_mta.store import bounces as store_bounces
 from pigeon_mta.store import queue as store_queue
 from pigeon_mta.store import upkeep as store_upkeep
 from pigeon_mta.store.bounces import ReportedRecipient
+from pigeon_mta.store.connect import is_bad_input
 from pigeon_mta.store.executor import Executor, transaction
 from pigeon_mta.store.upkeep import ExpiredRecipient, LaneMaxAge
+
+log = logging.getLogger(__name__)
+
+Build = Callable[[OriginalMessage, list[RecipientReport]], Envelope | None]
 
 # Four bytes beyond the header limit: room for the empty line that ends a header section that size.
 _HEAD_BYTES = MAX_ORIGINAL_HEADER_BYTES + 4
@@ -47,12 +64,14 @@ async def queue_bounces(
     failed = [r for r in reported if r.status in (Status.BOUNCED, Status.EXPIRED)]
     dsns: list[tuple[uuid.UUID, Envelope]] = []
     for original, recipients in _per_original(failed):
-        envelope = build_bounce(original, [_report(r) for r in recipients], hostname=hostname)
+        envelope = _built(
+            functools.partial(build_bounce, hostname=hostname),
+            original,
+            [_report(r) for r in recipients],
+        )
         if envelope is not None:
             dsns.append((new_id(), envelope))
-    # All of this round's DSNs in one statement, with one NOTIFY sent at commit.
-    await store_queue.enqueue_many(db, dsns, notify=True)
-    return [queue_id for queue_id, _envelope in dsns]
+    return await _enqueue(db, dsns)
 
 
 @dataclass(frozen=True)
@@ -114,18 +133,102 @@ async def warn_delayed(
         reported = await store_bounces.reported_recipients(conn, marked, head_bytes=_HEAD_BYTES)
         dsns: list[tuple[uuid.UUID, Envelope]] = []
         for original, recipients in _per_original(reported):
-            envelope = build_delay_warning(
+            until = min(
+                r.created_at + timedelta(seconds=own.get(r.lane, max_age)) for r in recipients
+            )
+            envelope = _built(
+                functools.partial(build_delay_warning, hostname=hostname, retry_until=until),
                 original,
                 [_report(r) for r in recipients],
-                hostname=hostname,
-                retry_until=min(
-                    r.created_at + timedelta(seconds=own.get(r.lane, max_age)) for r in recipients
-                ),
             )
             if envelope is not None:
                 dsns.append((new_id(), envelope))
-        await store_queue.enqueue_many(conn, dsns, notify=True)
-    return Warned(recipients=len(marked), warnings=[queue_id for queue_id, _e in dsns])
+        warnings = await _enqueue(conn, dsns)
+    return Warned(recipients=len(marked), warnings=warnings)
+
+
+def _built(
+    build: Build, original: OriginalMessage, reports: list[RecipientReport]
+) -> Envelope | None:
+    """`build(original, reports)`; built again from the plain replies if that raises, and None
+    (logged, counted) if that raises too."""
+    try:
+        return build(original, reports)
+    except Exception as exc:
+        log.error(
+            "could not build the DSN for message %s (%s); building it from the plain replies",
+            original.queue_id,
+            plain_text(f"{type(exc).__name__}: {exc}", 200),
+            exc_info=exc,
+        )
+        DSN_FAILURES.labels(step="plain").inc()
+    plain = [
+        dataclasses.replace(
+            r,
+            reply=None if r.reply is None else r.reply.plain(),
+            remote_mta=None if r.remote_mta is None else plain_text(r.remote_mta, 255),
+            status=None if r.status is None else plain_text(r.status, 16),
+        )
+        for r in reports
+    ]
+    try:
+        return build(original, plain)
+    except Exception as exc:
+        log.error(
+            "could not build the DSN for message %s at all (%s): its sender is not told",
+            original.queue_id,
+            plain_text(f"{type(exc).__name__}: {exc}", 200),
+            exc_info=exc,
+        )
+        DSN_FAILURES.labels(step="skipped").inc()
+        return None
+
+
+async def _enqueue(db: Executor, dsns: list[tuple[uuid.UUID, Envelope]]) -> list[uuid.UUID]:
+    """Queue the DSNs, all in one statement with one NOTIFY sent at commit; if the database
+    refuses that statement for what is in it, each DSN alone, under a savepoint, leaving out
+    (logged, counted) those it refuses. Returns the queue ids of those queued."""
+    if not dsns:
+        return []
+    try:
+        async with transaction(db) as conn:
+            await store_queue.enqueue_many(conn, dsns, notify=True)
+        return [queue_id for queue_id, _envelope in dsns]
+    except Exception as exc:
+        if not _refused(exc):
+            raise
+        if len(dsns) == 1:
+            _left_out(dsns[0], exc)
+            return []
+    queued = []
+    for dsn in dsns:
+        try:
+            async with transaction(db) as conn:
+                await store_queue.enqueue_many(conn, [dsn], notify=True)
+            queued.append(dsn[0])
+        except Exception as exc:
+            if not _refused(exc):
+                raise
+            _left_out(dsn, exc)
+    return queued
+
+
+def _refused(exc: BaseException) -> bool:
+    """The database refused a DSN for what is in it (`is_bad_input`: a value it cannot store, a
+    row its index cannot hold). Anything else (an outage, a trigger's refusal) fails the
+    transaction: the outcome and its DSN commit together or not at all."""
+    return is_bad_input(exc)
+
+
+def _left_out(dsn: tuple[uuid.UUID, Envelope], exc: BaseException) -> None:
+    queue_id, envelope = dsn
+    log.error(
+        "the database refused the DSN %s to <%s> (%s): its sender is not told",
+        queue_id,
+        plain_text(envelope.recipients[0], 100),
+        plain_text(f"{type(exc).__name__}: {exc}", 200),
+    )
+    DSN_FAILURES.labels(step="refused").inc()
 
 
 def _per_original(

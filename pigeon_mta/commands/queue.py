@@ -59,14 +59,16 @@ def register(sub: Any) -> None:
             "retry",
             admin_queue.RETRYABLE,
             "make deferred, bounced or expired recipients due now",
-            "which recipients: deferred, bounced, expired (repeatable; by filter the default "
-            "is deferred, by id all three)",
+            "which recipients: deferred, stale (delivering, but its lease ran out: nobody holds "
+            "it), bounced, expired (repeatable; by filter the default is deferred and stale, "
+            "by id all four)",
         ),
         (
             "cancel",
             admin_queue.CANCELLABLE,
             "stop delivering queued recipients",
-            "which recipients: queued (everything waiting, the default) or deferred",
+            "which recipients: queued (everything waiting, the default), deferred, or stale "
+            "(delivering, but its lease ran out)",
         ),
     ):
         p = commands.add_parser(action, help=help_text)
@@ -360,7 +362,8 @@ async def cmd_action(args: argparse.Namespace) -> int:
         )
     statuses = args.status
     if not statuses and not ids and args.action == "retry":
-        statuses = [admin_queue.DEFERRED]  # by filter, retry only what is waiting to retry
+        # By filter, retry only what is waiting to retry, and what a lease that ran out left.
+        statuses = [admin_queue.DEFERRED, admin_queue.STALE]
     args.status = statuses
     async with open_database(args) as (_settings, conn):
         selection = await _selection(conn, args, ids)

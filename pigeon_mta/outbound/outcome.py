@@ -29,7 +29,7 @@ from pigeon_mta.outbound.classify import (
     stated_retry_delay,
     suppresses,
 )
-from pigeon_mta.plain import is_enhanced_code, plain_text
+from pigeon_mta.plain import plain_text
 from pigeon_mta.signer import KeysUnavailable
 from pigeon_mta.store import leases as store_leases
 from pigeon_mta.store import suppression as store_suppression
@@ -239,12 +239,9 @@ def plain_result(result: AttemptResult, why: str) -> AttemptResult:
     could not be recorded as it was (outbound/recorder.py): the same recipient, claim, outcome and
     next try, the reply's text plain and bounded, its enhanced code only when well-formed, and
     `why` it is plain in the text and the rule."""
-    reply = result.reply
-    enhanced = reply.enhanced_code if is_enhanced_code(reply.enhanced_code) else None
-    text = f"{plain_text(reply.text)} (recorded plain: {plain_text(why, 200)})"
     return dataclasses.replace(
         result,
-        reply=Reply(reply.code if 0 <= reply.code <= 999 else 0, enhanced, text),
+        reply=result.reply.plain(f"recorded plain: {why}"),
         mx_host=None if result.mx_host is None else plain_text(result.mx_host, 255),
         ip=None if result.ip is None else plain_text(result.ip, 64),
         tls_version=None if result.tls_version is None else plain_text(result.tls_version, 64),

@@ -3,7 +3,10 @@
 A bulk action and its dry run share one WHERE clause, built once from a `Selection`: the dry run
 counts exactly the rows the action would then update. Rows being delivered right now are never
 part of an action (their worker would overwrite the change when it records its outcome); both the
-dry run and the action report how many such rows matched and were left alone.
+dry run and the action report how many such rows matched and were left alone. A row whose lease
+ran out is not being delivered: nobody holds it (its worker died, or could not record), and the
+sweeper would queue it again. Retry and cancel take it like a queued row, whether a server runs
+or not; its old claim, should it ever record, is fenced out by the status (store/leases.py).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from pigeon_mta.store.upkeep import LaneStats, queue_stats
 
 # "deferred" is not a status column value: it is a queued row that was attempted before.
 DEFERRED = "deferred"
+# Nor is "stale": a delivering row whose lease ran out (what the lease sweeper queues again).
+STALE = "stale"
 HISTORY_STATUSES = (
     Status.DELIVERED,
     Status.BOUNCED,
@@ -31,8 +36,8 @@ HISTORY_STATUSES = (
     Status.SUPPRESSED,
 )
 LISTABLE = (DEFERRED, *(str(s) for s in Status))
-RETRYABLE = (DEFERRED, Status.BOUNCED, Status.EXPIRED)
-CANCELLABLE = (Status.QUEUED, DEFERRED)
+RETRYABLE = (DEFERRED, STALE, Status.BOUNCED, Status.EXPIRED)
+CANCELLABLE = (Status.QUEUED, DEFERRED, STALE)
 
 Action = Literal["retry", "cancel"]
 
@@ -63,12 +68,14 @@ class Selection:
         conditions: list[str] = []
         wanted = self.statuses if statuses is None else statuses
         if wanted:
-            plain = [s for s in wanted if s != DEFERRED]
+            plain = [s for s in wanted if s not in (DEFERRED, STALE)]
             alternatives = []
             if plain:
                 alternatives.append(f"r.status = ANY ({param(plain)}::text[])")
             if DEFERRED in wanted:
                 alternatives.append("(r.status = 'queued' AND r.attempts > 0)")
+            if STALE in wanted:
+                alternatives.append("(r.status = 'delivering' AND r.lease_until < now())")
             conditions.append("(" + " OR ".join(alternatives) + ")")
         if self.domain:
             conditions.append(f"r.domain = {param(self.domain.lower())}")
@@ -93,6 +100,7 @@ class Selection:
 # sender may be warned of a delay again in that new life.
 _SET = {
     "retry": """status = 'queued', next_attempt_at = now(), updated_at = now(),
+                lease_until = NULL, lease_owner = NULL,
                 created_at = CASE WHEN r.status IN ('bounced', 'expired') THEN now()
                                   ELSE r.created_at END,
                 delay_warned_at = CASE WHEN r.status IN ('bounced', 'expired') THEN NULL
@@ -156,9 +164,10 @@ async def bulk_action(
                 # Wake idle workers now rather than at their next poll (sent on commit).
                 await db.execute("SELECT pg_notify($1, '')", NOTIFY_CHANNEL)
         # lease_until is set exactly while a row is being delivered (migration 0006); saying so
-        # lets the count read recipient_leased instead of scanning the table for the status.
+        # lets the count read recipient_leased instead of scanning the table for the status. A
+        # lease that ran out holds nothing (STALE): such rows were part of the action.
         delivering = await db.fetchval(
-            f"SELECT count(*) FROM recipient r WHERE {busy_where} AND r.lease_until IS NOT NULL",
+            f"SELECT count(*) FROM recipient r WHERE {busy_where} AND r.lease_until >= now()",
             *busy_params,
         )
     return ActionResult(action, dry_run, int(count), int(delivering))

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
 
+from pigeon_mta.model import AttemptResult, Outcome, Reply
+from pigeon_mta.store.leases import record_attempts
 from pigeon_mta.store.orgs import ensure_org
 from tests.conftest import run_pigeon
 from tests.integration.queue_helpers import bulk_queue
@@ -243,3 +246,46 @@ async def test_operator_actions_are_in_the_message_log(
     # A second cancel finds nothing to cancel and logs nothing more.
     assert pigeon(db_url, "queue", "cancel", str(first))["count"] == 0
     assert await pool.fetchval("SELECT count(*) FROM attempt") == 2
+
+
+async def test_cancel_and_retry_take_a_recipient_whose_lease_ran_out(
+    db_url: str, pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """A recipient left `delivering` by a worker that died or could not record (no server runs
+    here) is nobody's: cancel and retry take it, by id and by filter; one under a live lease is
+    left alone and reported."""
+    await bulk_queue(pool, org_id, messages=3, domain="example.net", status="delivering")
+    stuck, other, live = [
+        r["message_id"]
+        for r in await pool.fetch("SELECT message_id FROM recipient ORDER BY message_id")
+    ]
+    await pool.execute(
+        "UPDATE recipient SET attempts = 1, lease_until = now() - interval '1 minute' "
+        "WHERE message_id = ANY ($1::uuid[])",
+        [stuck, other],
+    )
+    cancelled = pigeon(db_url, "queue", "cancel", str(stuck), str(live))
+    assert cancelled["count"] == 1 and cancelled["delivering_left_alone"] == 1
+    retried = pigeon(db_url, "queue", "retry", "--domain", "example.net")
+    assert retried["count"] == 1 and retried["delivering_left_alone"] == 1
+    rows = {
+        r["message_id"]: r
+        for r in await pool.fetch("SELECT message_id, status, lease_until FROM recipient")
+    }
+    assert rows[stuck]["status"] == "cancelled" and rows[stuck]["lease_until"] is None
+    assert rows[other]["status"] == "queued" and rows[other]["lease_until"] is None
+    assert rows[live]["status"] == "delivering"
+    # The claim that left them is fenced out: its outcome, recorded late, moves nothing.
+
+    rid = await pool.fetchval("SELECT id FROM recipient WHERE message_id = $1", stuck)
+    late = AttemptResult(
+        recipient_id=rid,
+        message_id=stuck,
+        org_id=org_id,
+        attempt=1,
+        outcome=Outcome.DELIVERED,
+        reply=Reply(250, "2.0.0", "ok"),
+        started_at=datetime.now(UTC),
+    )
+    assert await record_attempts(pool, [late]) == set()
+    assert await pool.fetchval("SELECT status FROM recipient WHERE id = $1", rid) == "cancelled"

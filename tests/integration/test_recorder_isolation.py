@@ -19,7 +19,7 @@ import asyncpg
 import pytest
 
 from pigeon_mta import metrics
-from pigeon_mta.config import Settings
+from pigeon_mta.config import BounceSettings, Duration, Settings
 from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.model import AttemptResult, Outcome, Reply
 from pigeon_mta.observability.exposition import MetricsExposition
@@ -88,17 +88,16 @@ async def test_values_the_database_refuses_cost_one_result_not_the_batch(
     assert len(claims) == 0 and not recorder.pending
 
 
-async def test_a_dsn_the_database_refuses_leaves_the_bounce_recorded_without_it(
-    pool: asyncpg.Pool, org_id: uuid.UUID
-) -> None:
-    # An envelope sender whose DSN recipient row cannot be indexed (btree rows stop near 2.7 KB;
-    # random letters do not compress below that).
-    rng = random.Random(5)
-    long_sender = "".join(rng.choices(string.ascii_letters, k=9000)) + "@own.test"
-    poisoned = await send(pool, org_id, "nobody@example.test", sender=long_sender)
-    healthy = await send(pool, org_id, "nobody@example.test")
-    deliveries = await claim(pool, owner=OWNER, lease=300, batch=10)
-    results = [
+def dsn_failures(step: str) -> float:
+    return metrics.DSN_FAILURES.labels(step=step)._value.get()  # type: ignore[attr-defined]
+
+
+async def _bounced_results(
+    pool: asyncpg.Pool, claims: Claims, batch: int = 10
+) -> list[AttemptResult]:
+    deliveries = await claim(pool, owner=OWNER, lease=300, batch=batch)
+    claims.hold(deliveries, asyncio.get_running_loop().time())
+    return [
         dataclasses.replace(
             r,
             reply=Reply(550, "5.1.1", "user unknown"),
@@ -107,28 +106,62 @@ async def test_a_dsn_the_database_refuses_leaves_the_bounce_recorded_without_it(
         )
         for r in results_for(deliveries, Outcome.BOUNCED)
     ]
+
+
+async def _dsn_recipients(pool: asyncpg.Pool) -> list[str]:
+    rows = await pool.fetch(
+        "SELECT r.address FROM recipient r JOIN message m ON m.id = r.message_id "
+        "WHERE m.sender = '' ORDER BY r.address"
+    )
+    return [r["address"] for r in rows]
+
+
+async def test_a_dsn_the_database_refuses_is_left_out_and_the_others_queued(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    # An envelope sender whose DSN recipient row cannot be indexed (btree rows stop near 2.7 KB;
+    # random letters do not compress below that).
+    rng = random.Random(5)
+    long_sender = "".join(rng.choices(string.ascii_letters, k=9000)) + "@own.test"
+    poisoned = await send(pool, org_id, "nobody@example.test", sender=long_sender)
+    healthy = await send(pool, org_id, "nobody@example.test")
     claims = Claims(pool, owner=OWNER, lease=300)
-    claims.hold(deliveries, asyncio.get_running_loop().time())
+    results = await _bounced_results(pool, claims)
     recorder = Recorder(pool, Settings(), claims, DeliveryLog.open(""))
+    refused, isolated = dsn_failures("refused"), failures("isolated")
+
+    await _record_all(recorder, results)
+
+    rows = await pool.fetch(
+        "SELECT message_id, status FROM recipient WHERE address = 'nobody@example.test'"
+    )
+    assert {r["message_id"]: r["status"] for r in rows} == {
+        poisoned: "bounced",
+        healthy: "bounced",
+    }
+    # The healthy bounce's DSN, not the refused one; and both outcomes in one record.
+    assert await _dsn_recipients(pool) == ["alice@sender.test"]
+    assert dsn_failures("refused") == refused + 1
+    assert failures("isolated") == isolated
+    assert not recorder.pending
+
+
+async def test_a_suppression_the_database_refuses_leaves_the_bounce_recorded_without_it(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    await send(pool, org_id, "nobody@example.test")
+    claims = Claims(pool, owner=OWNER, lease=300)
+    results = await _bounced_results(pool, claims)
+    # An entry lifetime beyond what an interval holds (config refuses it: this is the database
+    # refusing a value, as it may for reasons nobody has met yet).
+    settings = dataclasses.replace(Settings(), bounces=BounceSettings(suppress_for=Duration(1e300)))
+    recorder = Recorder(pool, settings, claims, DeliveryLog.open(""))
     without = failures("without_notices")
 
     await _record_all(recorder, results)
 
-    statuses = {
-        r["message_id"]: r["status"]
-        for r in await pool.fetch(
-            "SELECT message_id, status FROM recipient WHERE address = $1", "nobody@example.test"
-        )
-    }
-    assert statuses == {poisoned: "bounced", healthy: "bounced"}
-    dsn_recipients = [
-        r["address"]
-        for r in await pool.fetch(
-            "SELECT r.address FROM recipient r JOIN message m ON m.id = r.message_id "
-            "WHERE m.sender = ''"
-        )
-    ]
-    assert dsn_recipients == ["alice@sender.test"]  # the healthy bounce's DSN, not the other
+    assert await pool.fetchval("SELECT status FROM recipient") == "bounced"
+    assert await pool.fetchval("SELECT count(*) FROM suppression") == 0
     assert failures("without_notices") == without + 1
     assert not recorder.pending
 
