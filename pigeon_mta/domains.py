@@ -14,6 +14,8 @@ import re
 import dns.exception
 import dns.name
 
+from pigeon_mta.plain import is_digits
+
 # A host name's label: letters, digits and inner hyphens, 63 at most (RFC 1123 2.1, RFC 1035 2.3.1).
 _LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?\Z")
 
@@ -44,6 +46,6 @@ def normalize_domain(text: str) -> str | None:
     labels = name.split(".")
     if not all(_LABEL.match(label) for label in labels):
         return None
-    if labels[-1].isdigit():
+    if is_digits(labels[-1]):
         return None  # a dotted IP address is not a domain (RFC 1123 2.1)
     return name

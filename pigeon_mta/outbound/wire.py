@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import re
 import typing
 
 from aiosmtplib import SMTPReadTimeoutError, SMTPResponse, SMTPServerDisconnected
@@ -23,6 +24,8 @@ from aiosmtplib import SMTPReadTimeoutError, SMTPResponse, SMTPServerDisconnecte
 # allows 512 octets a line; this leaves room for the generous).
 MAX_LINE = 8192
 MAX_REPLY = 4 * MAX_LINE
+# A reply line's code: three ASCII digits (RFC 5321 4.2).
+_CODE = re.compile(rb"[0-9]{3}")
 
 
 class NotSmtp(SMTPServerDisconnected):
@@ -122,7 +125,7 @@ class Wire(asyncio.Protocol):
                 start = end + 1
                 if len(line) > MAX_LINE or start > MAX_REPLY:
                     raise NotSmtp("the server sent a reply too long for SMTP")
-                if not line[:3].isdigit() or line[3:4] not in (b"", b" ", b"-"):
+                if not _CODE.fullmatch(line[:3]) or line[3:4] not in (b"", b" ", b"-"):
                     text = line[:80].decode("utf-8", "backslashreplace")
                     raise NotSmtp(f"the server sent a line that is not an SMTP reply: {text!r}")
                 lines.append(line)

