@@ -412,6 +412,11 @@ class ApiSettings:
     # instead of asking the database at every request: a revoked key or a removed domain is
     # refused at the latest this long after. "0" asks at every request.
     auth_cache: Duration = Duration(1)
+    # The bytes of request bodies one process holds at once (their Content-Length; a body without
+    # one counts as the largest the API reads): a request beyond it waits for room for up to
+    # read_timeout, then is answered 503 with Retry-After. Never less than the largest body
+    # (twice limits.max_message_size and a MiB: base64 in JSON), which is then read alone.
+    max_body_memory: int = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)

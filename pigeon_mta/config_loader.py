@@ -400,6 +400,8 @@ def _check_api(settings: Settings) -> None:
     api = settings.api
     if bool(api.tls_cert) != bool(api.tls_key):
         raise ConfigError("set both 'api.tls_cert' and 'api.tls_key', or neither")
+    if api.max_body_memory < 1:
+        raise ConfigError("'api.max_body_memory' must be at least 1 (bytes)")
     taken = {str(listener.address) for listener in settings.listener}
     taken.add(str(settings.metrics.listen))
     if api.listen is not None and api.listen.port and str(api.listen) in taken:

@@ -1,10 +1,21 @@
 """Who is asking: the API key of a request (`Authorization: Bearer KEY`, RFC 6750), found in the
-database or in the process's memory of keys found within `api.auth_cache` (memo.py)."""
+database or in the process's memory of keys found within `api.auth_cache` (memo.py).
+
+A request is asked for its key before its body is read (api/server.py), so that a client without
+one costs a header's worth of work, not a body's. Wrong keys are throttled per client address as
+SMTP AUTH failures are (submission/auth.py, the same `limits.max_auth_failures` per
+`limits.auth_failure_window`, counted in the same table across every listener, process and node):
+past the limit, the address is answered 429 with Retry-After until its window ends, without a
+lookup, and the process remembers that in memory, so a flood of guesses costs no statement each.
+Only the first failure of an address in its window and its being throttled are logged.
+"""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import asyncpg
@@ -13,7 +24,9 @@ from aiohttp import web
 from pigeon_mta.api import problems
 from pigeon_mta.api.memo import Memo
 from pigeon_mta.api.problems import Problem
+from pigeon_mta.config import API_LISTENER, LimitsSettings
 from pigeon_mta.store import apikeys as store_apikeys
+from pigeon_mta.store import limits as store_limits
 from pigeon_mta.store.apikeys import ApiKey
 from pigeon_mta.store.connect import DB_ERRORS
 
@@ -21,17 +34,30 @@ log = logging.getLogger("pigeon_mta.api")
 
 # Longer than any key `apikey add` makes; a longer header is not worth a lookup.
 _MAX_KEY = 200
+# Where the key found for a request is kept, once asked for (before its body is read).
+REQUEST_KEY = web.RequestKey("pigeon.api_key", ApiKey)
+# Client addresses a process remembers as throttled, at most (the oldest are forgotten first).
+_MAX_THROTTLED = 10_000
 
 
 class Authenticator:
     def __init__(
-        self, pool: asyncpg.Pool, *, cache: float = 0.0, clock: Callable[[], float] = time.monotonic
+        self,
+        pool: asyncpg.Pool,
+        *,
+        cache: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+        limits: LimitsSettings | None = None,
     ) -> None:
         """`cache`: seconds a found key is remembered (a revoked key is refused at the latest
-        that long after its revocation)."""
+        that long after its revocation). `limits`: the failure throttle's (module docstring)."""
         self.pool = pool
+        self.limits = limits or LimitsSettings()
+        self.clock = clock
         # By the key's hash, as the table keeps it: the process holds no key past its request.
         self._found: Memo[bytes, ApiKey | None] = Memo(cache, clock=clock)
+        # Client addresses past their failure limit, until when (on `clock`).
+        self._throttled: OrderedDict[str, float] = OrderedDict()
 
     async def find(self, key: str) -> ApiKey | None:
         """The unrevoked key `key` is, or None (raises on database trouble)."""
@@ -40,7 +66,13 @@ class Authenticator:
         )
 
     async def __call__(self, request: web.Request) -> ApiKey:
-        """The unrevoked key the request carries; a Problem (401, or 503 on database trouble)."""
+        """The unrevoked key the request carries; a Problem (401; 429 for an address past its
+        failure limit; 503 on database trouble). Asked again for the same request, the key
+        found the first time."""
+        if REQUEST_KEY in request:
+            return request[REQUEST_KEY]
+        address = _client_address(request)
+        self._refuse_if_throttled(address)
         header = request.headers.get("Authorization")
         if header is None:
             raise Problem(
@@ -57,12 +89,75 @@ class Authenticator:
             try:
                 found = await self.find(key)
             except DB_ERRORS as exc:
-                log.warning("API request from [%s]: database trouble: %s", request.remote, exc)
+                log.warning("API request from [%s]: database trouble: %s", address, exc)
                 raise problems.database_unavailable("the API key could not be checked") from None
         if found is None:
-            log.info("API request from [%s] refused: unknown or revoked key", request.remote)
+            await self._failed(address)
             raise Problem(
                 problems.UNAUTHORIZED,
                 "The API key in the Authorization header is not valid or has been revoked.",
             )
+        request[REQUEST_KEY] = found
         return found
+
+    def _refuse_if_throttled(self, address: str) -> None:
+        until = self._throttled.get(address)
+        if until is None:
+            return
+        left = until - self.clock()
+        if left <= 0:
+            del self._throttled[address]
+            return
+        raise _throttled(left)
+
+    async def _failed(self, address: str) -> None:
+        """Count a wrong key of `address`; raises the 429 when that puts it past the limit."""
+        limit = self.limits.max_auth_failures
+        if limit <= 0:
+            log.info("API request from [%s] refused: unknown or revoked key", address)
+            return
+        window = self.limits.auth_failure_window
+        try:
+            count = await store_limits.record_auth_failure(
+                self.pool, client_ip=address, username=None, listener=API_LISTENER, window=window
+            )
+        except DB_ERRORS as exc:
+            log.warning("cannot record the API key failure of [%s]: %s", address, exc)
+            return
+        if count == 1:
+            log.info(
+                "API request from [%s] refused: unknown or revoked key (its further failures "
+                "within %g s are not logged)",
+                address,
+                window,
+            )
+        if count > limit:
+            if count == limit + 1:
+                log.warning(
+                    "API requests from [%s] throttled for %g s: %d wrong API keys",
+                    address,
+                    window,
+                    limit,
+                )
+            self._throttled[address] = self.clock() + window
+            self._throttled.move_to_end(address)
+            while len(self._throttled) > _MAX_THROTTLED:
+                self._throttled.popitem(last=False)
+            raise _throttled(window)
+
+
+def _throttled(seconds: float) -> Problem:
+    return Problem(
+        problems.TOO_MANY_KEY_FAILURES,
+        "Too many requests from this address carried a wrong API key; try again later.",
+        retry_after=max(1, int(seconds + 0.999)),
+    )
+
+
+def _client_address(request: web.Request) -> str:
+    """The peer's IP address (what the throttle counts, as an inet); "0.0.0.0" when the
+    transport has none (a Unix socket)."""
+    try:
+        return str(ipaddress.ip_address(request.remote or ""))
+    except ValueError:
+        return "0.0.0.0"

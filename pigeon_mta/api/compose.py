@@ -5,7 +5,10 @@
 
 Everything a request says is checked here, before anything is queued; each refusal is a
 `Problem` whose detail names the field. A CR or LF in a header value or name is refused, never
-folded in: it would let a caller write header fields of its own choosing.
+folded in: it would let a caller write header fields of its own choosing. The limits are checked
+before the work they bound: the addresses are counted before any is parsed, and the header fields'
+sizes added up before any is encoded, so that an oversized request is refused for the price of
+reading it, not of building it (200,000 recipients took 2.5 s of a worker's loop to refuse).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import email.errors
 import email.policy
 import json
 import re
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from email import encoders
@@ -98,6 +102,7 @@ def from_json(body: bytes, limits: LimitsSettings) -> Submission:
         raise Problem(problems.INVALID_FIELD, f"The field '{_shown(unknown[0])}' is not known.")
     if "from" not in request:
         raise Problem(problems.INVALID_FIELD, "The field 'from' is missing.")
+    _check_counts(request, limits)
     sender = _address(request["from"], "from")
     to = _addresses(request.get("to"), "to")
     cc = _addresses(request.get("cc"), "cc")
@@ -166,6 +171,14 @@ _UTF8.body_encoding = QP  # quoted-printable: 7-bit for destinations without 8BI
 _MIME_FIELDS = ("MIME-Version", "Content-Type", "Content-Transfer-Encoding")
 # A word the generator cannot fold: past this, a field name and it would not fit RFC 5322's 998.
 _LONGEST_WORD = 900
+# Fields of the JSON `headers` object, at most; and the characters of one header value (subject
+# or `headers`), at most: longer ones are mistakes, and each costs encoding time to build.
+MAX_JSON_HEADERS = 100
+MAX_FIELD_VALUE = 16 * 1024
+# A filename longer than this (or not ASCII) goes in RFC 2231 continuations, which fold.
+_SHORT_FILENAME = 60
+# RFC 2231 / RFC 5987 attr-char: what an extended parameter value keeps unencoded.
+_ATTR_CHARS = "!#$&+-.^_`|~"
 
 
 def _address_list(addresses: list[tuple[Mailbox, str]], field: str) -> str:
@@ -234,12 +247,31 @@ def _mixed(body: Message, attachments: list[tuple[str, str, bytes]]) -> Message:
         part = MIMEBase(maintype, subtype, policy=_WRITE)
         part.set_payload(content)
         encoders.encode_base64(part)
-        shown: str | tuple[str, str, str] = (
-            filename if filename.isascii() else ("utf-8", "", filename)
-        )
-        part.add_header("Content-Disposition", "attachment", filename=shown)
+        if filename.isascii() and len(filename) <= _SHORT_FILENAME:
+            part.add_header("Content-Disposition", "attachment", filename=filename)
+        else:
+            part["Content-Disposition"] = _disposition(filename)
         mixed.attach(part)
     return mixed
+
+
+def _disposition(filename: str) -> str:
+    """`attachment` with the filename in RFC 2231 continuations (`filename*0*=utf-8''...;
+    filename*1*=...`), each short, so that the field folds between them: a long filename written
+    whole made a line of 20,000 octets (RFC 5322 2.1.1 allows 998)."""
+    encoded = urllib.parse.quote(filename.encode("utf-8"), safe=_ATTR_CHARS)
+    chunks: list[str] = []
+    start = 0
+    while start < len(encoded):
+        end = min(start + _SHORT_FILENAME, len(encoded))
+        cut = encoded.rfind("%", max(start, end - 2), end)  # never inside a %XX
+        if cut > start and end < len(encoded):
+            end = cut
+        chunks.append(encoded[start:end])
+        start = end
+    charset = "utf-8''"  # RFC 2231 4: charset'language' on the first part only
+    parts = [f"filename*{i}*={charset if i == 0 else ''}{c}" for i, c in enumerate(chunks)]
+    return "attachment; " + "; ".join(parts)
 
 
 def _flatten(headers: list[tuple[str, str | Header]], body: Message) -> bytes:
@@ -260,6 +292,56 @@ def _flatten(headers: list[tuple[str, str | Header]], body: Message) -> bytes:
         ) from None
 
 
+def _check_counts(request: Mapping[str, Any], limits: LimitsSettings) -> None:
+    """The limits that bound the work of building the message, checked before that work: the
+    addresses named (each once or not: a request that names more than max_recipients is refused
+    unparsed), the `headers` fields, and the sizes of the header values together."""
+    named = sum(
+        len(value) if isinstance(value, list) else 1
+        for value in (request.get(f) for f in ("to", "cc", "bcc"))
+        if value is not None
+    )
+    if named > limits.max_recipients:
+        raise Problem(
+            problems.TOO_MANY_RECIPIENTS,
+            f"The request names {named} recipients; limits.max_recipients allows "
+            f"{limits.max_recipients}.",
+        )
+    reply_to = request.get("reply_to")
+    if isinstance(reply_to, list) and len(reply_to) > limits.max_recipients:
+        raise Problem(
+            problems.INVALID_FIELD,
+            f"The field 'reply_to' names {len(reply_to)} addresses; at most "
+            f"{limits.max_recipients} (limits.max_recipients) are taken.",
+        )
+    headers = request.get("headers")
+    if isinstance(headers, dict) and len(headers) > MAX_JSON_HEADERS:
+        raise Problem(
+            problems.INVALID_HEADER,
+            f"The field 'headers' has {len(headers)} fields; at most {MAX_JSON_HEADERS}.",
+        )
+    values: list[tuple[str, object]] = [("subject", request.get("subject"))]
+    if isinstance(headers, dict):
+        values += [(f"headers.{name}", value) for name, value in headers.items()]
+    size = 0
+    for field, value in values:
+        if not isinstance(value, str):
+            continue
+        if len(value) > MAX_FIELD_VALUE:
+            raise Problem(
+                problems.INVALID_HEADER,
+                f"The field '{_shown(field)}' is {len(value)} characters long; a header value "
+                f"may have {MAX_FIELD_VALUE}.",
+            )
+        size += len(field) + len(value) + 4
+    if limits.max_header_size and size > limits.max_header_size:
+        raise Problem(
+            problems.TOO_LARGE,
+            "The header fields of the request are over limits.max_header_size "
+            f"({limits.max_header_size} bytes).",
+        )
+
+
 def _string(request: Mapping[str, Any], name: str) -> str | None:
     value = request.get(name)
     if value is None:
@@ -268,6 +350,11 @@ def _string(request: Mapping[str, Any], name: str) -> str | None:
         raise Problem(problems.INVALID_FIELD, f"The field '{name}' must be a string.")
     if "\x00" in value:
         raise Problem(problems.INVALID_FIELD, f"The field '{name}' contains a NUL character.")
+    if problems.unstorable(value):
+        raise Problem(
+            problems.INVALID_FIELD,
+            f"The field '{name}' contains an unpaired surrogate (not a character of UTF-8).",
+        )
     return value
 
 
@@ -407,6 +494,12 @@ def from_raw(body: bytes, sender: list[str], to: list[str], limits: LimitsSettin
     """The message as the client wrote it; the envelope from the query parameters."""
     if len(sender) != 1:
         raise Problem(problems.INVALID_FIELD, "The query parameter 'from' must be given once.")
+    if len(to) > limits.max_recipients:
+        raise Problem(
+            problems.TOO_MANY_RECIPIENTS,
+            f"The request names {len(to)} recipients; limits.max_recipients allows "
+            f"{limits.max_recipients}.",
+        )
     mailbox, _name = _address(sender[0], "from")
     if not to:
         raise Problem(problems.INVALID_FIELD, "The query parameter 'to' is missing.")

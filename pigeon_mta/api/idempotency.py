@@ -62,8 +62,9 @@ class Idempotency:
         try:
             found = await store_idempotency.find(self.pool, self.org_id, self.key)
         except DB_ERRORS as exc:
-            log.warning("Idempotency-Key lookup: database trouble: %s", exc)
-            raise problems.database_unavailable(f"the {HEADER} could not be looked up") from None
+            raise problems.database_error(
+                exc, f"the {HEADER} could not be looked up", "Idempotency-Key lookup"
+            ) from None
         return self._replay(found)
 
     async def claim(self, queue_id: uuid.UUID) -> web.Response | uuid.UUID:

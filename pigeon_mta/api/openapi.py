@@ -152,8 +152,16 @@ def _send_operation() -> dict[str, Any]:
             "413": _problem("over limits.max_message_size"),
             "415": _problem("neither application/json nor message/rfc822"),
             "422": _problem("a bad field, address, header or lane; a reused Idempotency-Key"),
-            "429": _problem("the API key's rate limit is reached", retry_after=True),
-            "503": _problem("the database is unavailable", retry_after=True),
+            "429": _problem(
+                "the API key's rate limit is reached, or too many requests with a wrong API key "
+                "came from this address",
+                retry_after=True,
+            ),
+            "503": _problem(
+                "the database is unavailable, or the process holds as many request bodies as "
+                "api.max_body_memory allows",
+                retry_after=True,
+            ),
         },
     }
 
@@ -367,6 +375,13 @@ def _query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any
 
 _READ_PROBLEMS = {
     "401": _problem("a missing, wrong or revoked API key"),
+    "422": _problem(
+        "a parameter the server cannot store or look up (a NUL, an unpaired surrogate)"
+    ),
+    "429": _problem(
+        "too many requests with a wrong API key came from this address (limits.max_auth_failures)",
+        retry_after=True,
+    ),
     "503": _problem("the database is unavailable", retry_after=True),
 }
 
@@ -399,6 +414,8 @@ def _reading_paths() -> dict[str, Any]:
                 "responses": {
                     "200": _json("Timeline", "the message"),
                     "401": _READ_PROBLEMS["401"],
+                    "422": _READ_PROBLEMS["422"],
+                    "429": _READ_PROBLEMS["429"],
                     "404": _problem(
                         "no message of the key's org has this queue id: an unknown id, another "
                         "org's, and a text that is no UUID at all are answered alike, since each "
@@ -461,6 +478,7 @@ def _reading_paths() -> dict[str, Any]:
                     "201": _json("Suppression", "the address is on the list"),
                     "400": _problem("malformed JSON"),
                     "401": _READ_PROBLEMS["401"],
+                    "429": _READ_PROBLEMS["429"],
                     "408": _problem("the body did not arrive within api.read_timeout"),
                     "415": _problem("not application/json"),
                     "422": _problem("a missing or wrong field, or a bad address"),
@@ -477,6 +495,8 @@ def _reading_paths() -> dict[str, Any]:
                 "responses": {
                     "200": _json("Suppression", "the entry"),
                     "401": _READ_PROBLEMS["401"],
+                    "422": _READ_PROBLEMS["422"],
+                    "429": _READ_PROBLEMS["429"],
                     "404": _problem("the address is not on the org's list"),
                     "503": _READ_PROBLEMS["503"],
                 },
@@ -489,6 +509,8 @@ def _reading_paths() -> dict[str, Any]:
                 "responses": {
                     "204": {"description": "removed"},
                     "401": _READ_PROBLEMS["401"],
+                    "422": _READ_PROBLEMS["422"],
+                    "429": _READ_PROBLEMS["429"],
                     "404": _problem("the address is not on the org's list"),
                     "503": _READ_PROBLEMS["503"],
                 },

@@ -8,9 +8,14 @@ sentence that names the field at fault.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 from aiohttp import web
+
+from pigeon_mta.store.connect import is_bad_input
+
+log = logging.getLogger("pigeon_mta.api")
 
 CONTENT_TYPE = "application/problem+json"
 # Problem type URIs are names, not pages (RFC 9457 3.1.1 allows a URI that cannot be fetched).
@@ -54,10 +59,19 @@ UNKNOWN_LANE = ProblemType("unknown-lane", 422, "The lane is not one of the serv
 IDEMPOTENCY_KEY_REUSED = ProblemType(
     "idempotency-key-reused", 422, "The Idempotency-Key was used with another request"
 )
+INVALID_VALUE = ProblemType(
+    "invalid-value", 422, "A value of the request is one the server cannot store"
+)
 RATE_LIMITED = ProblemType("rate-limited", 429, "The API key's message rate limit is reached")
+TOO_MANY_KEY_FAILURES = ProblemType(
+    "too-many-key-failures", 429, "Too many requests with a wrong API key from this address"
+)
 INTERNAL_ERROR = ProblemType("internal-error", 500, "The server failed; see its log")
 DATABASE_UNAVAILABLE = ProblemType(
     "database-unavailable", 503, "The database is unavailable; try again later"
+)
+BUSY = ProblemType(
+    "busy", 503, "The server holds as many request bodies as it may at once; try again shortly"
 )
 
 ALL = (
@@ -77,9 +91,12 @@ ALL = (
     TOO_MANY_RECIPIENTS,
     UNKNOWN_LANE,
     IDEMPOTENCY_KEY_REUSED,
+    INVALID_VALUE,
     RATE_LIMITED,
+    TOO_MANY_KEY_FAILURES,
     INTERNAL_ERROR,
     DATABASE_UNAVAILABLE,
+    BUSY,
 )
 
 
@@ -119,3 +136,31 @@ def database_unavailable(consequence: str) -> Problem:
         f"The database is unavailable, so {consequence}.",
         retry_after=RETRY_AFTER_DATABASE,
     )
+
+
+def database_error(exc: BaseException, consequence: str, who: str) -> Problem:
+    """The answer to a database call that raised `exc`, logged for `who` ("API read of key K").
+    A value the database refuses (`is_bad_input`: a NUL, a lone surrogate, a date out of its
+    range) is the client's, 422, logged as such: a client must not be able to fake a database
+    outage, and its alerts, at will. Anything else is the database's trouble, 503."""
+    if is_bad_input(exc):
+        log.info("%s: refused a value the database cannot store: %s", who, exc)
+        return Problem(
+            INVALID_VALUE,
+            "A value of the request cannot be stored (a NUL character, an unpaired surrogate, "
+            "or a date or number out of range).",
+        )
+    log.warning("%s: database trouble: %s", who, exc)
+    return database_unavailable(consequence)
+
+
+def unstorable(text: str) -> bool:
+    """Whether `text` holds what PostgreSQL's text cannot: a NUL, or an unpaired surrogate
+    (JSON's "\\ud800" decodes to one)."""
+    if "\x00" in text:
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

@@ -56,8 +56,9 @@ class MessageReader:
             try:
                 story = await store_events.story_of_org_message(self.pool, queue_id, key.org_id)
             except DB_ERRORS as exc:
-                log.warning("API read of key %s: database trouble: %s", key.id, exc)
-                raise problems.database_unavailable("the message could not be read") from None
+                raise problems.database_error(
+                    exc, "the message could not be read", f"API read of key {key.id}"
+                ) from None
         if story is None:
             # A malformed id names no message, as an unknown one does: both are 404.
             raise Problem(
@@ -87,8 +88,9 @@ class MessageReader:
             page = found[:limit]
             recipients = await store_events.recipients_of(self.pool, [m.queue_id for m in page])
         except DB_ERRORS as exc:
-            log.warning("API read of key %s: database trouble: %s", key.id, exc)
-            raise problems.database_unavailable("the messages could not be read") from None
+            raise problems.database_error(
+                exc, "the messages could not be read", f"API read of key {key.id}"
+            ) from None
         by_message: dict[uuid.UUID, list[RecipientRecord]] = {}
         for r in recipients:
             by_message.setdefault(r.message_id, []).append(r)
@@ -155,7 +157,7 @@ def _list_query(request: web.Request) -> tuple[Filters, Position | None, int]:
         status=status,
         since=_parsed(query, "since", _timestamp, "must be an ISO 8601 date or time"),
     )
-    limit = _parsed(query, "limit", int, f"must be a whole number from 1 to {MAX_LIMIT}")
+    limit = _parsed(query, "limit", _whole, f"must be a whole number from 1 to {MAX_LIMIT}")
     if limit is not None and not 1 <= limit <= MAX_LIMIT:
         raise _bad("limit", f"must be a whole number from 1 to {MAX_LIMIT}")
     after = _parsed(query, "cursor", decode_cursor, "is not a cursor this listing gave")
@@ -168,14 +170,23 @@ def _parsed(query: Any, name: str, parse: Callable[[str], T], wrong: str) -> T |
         return None
     try:
         return parse(text)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise _bad(name, wrong) from None
 
 
+def _whole(text: str) -> int:
+    if not is_digits(text) or len(text) > 9:
+        raise ValueError(text)
+    return int(text)
+
+
 def _timestamp(text: str) -> datetime:
-    """ISO 8601; UTC unless it names an offset (a '+' in a query is written %2B)."""
+    """ISO 8601; UTC unless it names an offset (a '+' in a query is written %2B). In UTC it
+    must be a date Python and PostgreSQL both hold (OverflowError otherwise: 0001-01-01 with a
+    positive offset, 9999-12-31 with a negative one)."""
     when = datetime.fromisoformat(text)
-    return when if when.tzinfo else when.replace(tzinfo=UTC)
+    when = when if when.tzinfo else when.replace(tzinfo=UTC)
+    return when.astimezone(UTC)
 
 
 def _bad(name: str, wrong: str) -> Problem:

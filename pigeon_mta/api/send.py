@@ -40,7 +40,7 @@ from pigeon_mta.ids import new_id
 from pigeon_mta.message import HeaderTooLarge
 from pigeon_mta.store import queue as store_queue
 from pigeon_mta.store.apikeys import ApiKey, auth_user_of
-from pigeon_mta.store.connect import DB_ERRORS
+from pigeon_mta.store.connect import DB_ERRORS, is_bad_input
 from pigeon_mta.store.duplicates import Duplicates
 from pigeon_mta.store.group_commit import GroupCommit
 from pigeon_mta.submission.fixups import Fixed, TooManyHops, Trace, apply_fixups
@@ -108,8 +108,9 @@ class SendHandler:
                     return taken
                 queue_id = taken
         except DB_ERRORS as exc:
-            log.warning("API request of key %s: database trouble: %s", key.id, exc)
-            raise problems.database_unavailable("the message was not queued") from None
+            raise problems.database_error(
+                exc, "the message was not queued", f"API request of key {key.id}"
+            ) from None
         message, reception = queued_as(
             request,
             key,
@@ -231,6 +232,11 @@ class SendHandler:
             log.info("message %s was queued by a repeat of its request", reception.queue_id)
             return reception.queue_id, False
         except DB_ERRORS as exc:
+            if is_bad_input(exc):
+                # Refused alone (the group commit tries a refused batch one by one): not queued.
+                raise problems.database_error(
+                    exc, "the message was not queued", f"API request of key {key.id}"
+                ) from None
             log.warning(
                 "not confirmed (503 sent): key=%s from=<%s> nrcpt=%d: database trouble: %s",
                 key.id,

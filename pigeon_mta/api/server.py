@@ -5,14 +5,20 @@ submission/service.py) and queues through its own group commit, the one its SMTP
 It reports its socket bound as they do, under the listener name `api` (observability/health.py).
 Every refusal leaves as `application/problem+json` (problems.py), aiohttp's own (404, 405, a body
 over the size limit) included; an unexpected error is logged and answered 500.
+
+A request's body is read only after its key is found (auth.py), and only within the room the
+process has for bodies (`api.max_body_memory`, `BodyRoom`): a client without a key cannot make a
+worker hold its body, and clients with keys cannot make it hold more than that at once. A request
+refused before its body was read closes its connection, so the body is never read at all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import asyncpg
 from aiohttp import web
@@ -48,11 +54,17 @@ def build_app(
     delivery_log: DeliveryLog | None = None,
 ) -> web.Application:
     size = settings.limits.max_message_size
+    largest = size * 2 + _BODY_SLACK if size else _NO_LIMIT_BODY
+    authenticate = Authenticator(pool, cache=settings.api.auth_cache, limits=settings.limits)
+    room = BodyRoom(max(settings.api.max_body_memory, min(largest, _NO_LIMIT_BODY)))
     app = web.Application(
-        client_max_size=size * 2 + _BODY_SLACK if size else _NO_LIMIT_BODY,
-        middlewares=[_problems, _body_within(settings.api.read_timeout)],
+        client_max_size=largest,
+        middlewares=[
+            _problems,
+            _storable_parameters,
+            _body_after_key(authenticate, room, largest, settings.api.read_timeout),
+        ],
     )
-    authenticate = Authenticator(pool, cache=settings.api.auth_cache)
     send = SendHandler(settings, pool, group_commit, authenticate, delivery_log=delivery_log)
     messages = MessageReader(pool, authenticate)
     suppressions = SuppressionHandler(pool, authenticate)
@@ -67,37 +79,124 @@ def build_app(
     return app
 
 
-def _body_within(read_timeout: float) -> Middleware:
-    """A middleware that reads a request's body, which aiohttp reads with no deadline, within
-    `read_timeout` of its head (the head's own bound is the server's keep-alive timeout, see
-    web.py). A client that trickles its body is answered 408 and cut off at once, not given the
-    lingering read aiohttp grants a body left unread. The body read here is the one the handler's
-    `request.read()` returns."""
+class NoRoom(Exception):
+    """The room for bodies had not enough free within the time allowed."""
+
+
+class BodyRoom:
+    """The bytes of request bodies one process holds at once, at most `capacity`: a request
+    reserves its Content-Length (a body without one, the largest the server reads) before its body
+    is read and gives it back once it is answered. A body as large as the room waits until it is
+    alone."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def reserve(self, size: int, *, within: float) -> AsyncIterator[None]:
+        """Hold `size` bytes of the room; NoRoom when they are not free within `within`."""
+        size = min(size, self.capacity)
+        try:
+            async with asyncio.timeout(within), self._changed:
+                await self._changed.wait_for(lambda: self.used + size <= self.capacity)
+                self.used += size
+        except TimeoutError:
+            raise NoRoom from None
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.used -= size
+                self._changed.notify_all()
+
+
+def _body_after_key(
+    authenticate: Authenticator, room: BodyRoom, largest: int, read_timeout: float
+) -> Middleware:
+    """A middleware that finds a request's key, then reads its body, which aiohttp reads with no
+    deadline, within the room for bodies and within `read_timeout` of its head (the head's own
+    bound is the server's keep-alive timeout, see web.py). A client that trickles its body is
+    answered 408 and cut off at once, not given the lingering read aiohttp grants a body left
+    unread. The body read here is the one the handler's `request.read()` returns, and the key
+    found the one its `authenticate(request)` returns."""
 
     @web.middleware
-    async def body_within(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.body_exists:
-            try:
-                async with asyncio.timeout(read_timeout):
-                    await request.read()
-            except TimeoutError:
-                log.info(
-                    "API request from [%s] cut off: its body took over %g s",
-                    request.remote,
-                    read_timeout,
-                )
-                response = Problem(
-                    problems.REQUEST_TIMEOUT,
-                    f"The request body did not arrive within {read_timeout:g} seconds.",
-                ).response()
-                response.force_close()
-                await response.prepare(request)
-                await response.write_eof()
-                request.protocol.force_close()
-                return response
-        return await handler(request)
+    async def body_after_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not request.body_exists or request.match_info.http_exception is not None:
+            return await handler(request)
+        await authenticate(request)
+        size = request.content_length if request.content_length is not None else largest
+        try:
+            async with room.reserve(size, within=read_timeout):
+                return await _read_then_handle(request, handler, read_timeout)
+        except NoRoom:
+            log.warning(
+                "API request from [%s] refused: %d bytes of request bodies held already",
+                request.remote,
+                room.used,
+            )
+            raise Problem(
+                problems.BUSY,
+                f"The server holds {room.capacity} bytes of request bodies (api.max_body_memory) "
+                "and had no room for this one in time.",
+                retry_after=1,
+            ) from None
 
-    return body_within
+    return body_after_key
+
+
+async def _answer_and_close(request: web.Request, response: web.Response) -> web.Response:
+    """Send `response` and close the connection at once, whatever of the body is unread."""
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()
+    return response
+
+
+# Set on a request whose body the middleware has read (the connection can be kept alive).
+_BODY_READ = web.RequestKey("pigeon.body_read", bool)
+
+
+async def _read_then_handle(
+    request: web.Request, handler: Handler, read_timeout: float
+) -> web.StreamResponse:
+    try:
+        async with asyncio.timeout(read_timeout):
+            await request.read()
+    except TimeoutError:
+        log.info(
+            "API request from [%s] cut off: its body took over %g s", request.remote, read_timeout
+        )
+        problem = Problem(
+            problems.REQUEST_TIMEOUT,
+            f"The request body did not arrive within {read_timeout:g} seconds.",
+        )
+        return await _answer_and_close(request, problem.response())
+    request[_BODY_READ] = True
+    return await handler(request)
+
+
+@web.middleware
+async def _storable_parameters(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The query parameters and path segments of a request hold nothing PostgreSQL's text cannot
+    (a NUL, an unpaired surrogate): refused here, 422, never sent to a query to come back as a
+    database error."""
+    for name, value in [*request.query.items(), *request.match_info.items()]:
+        if problems.unstorable(name) or problems.unstorable(value):
+            raise Problem(
+                problems.INVALID_VALUE,
+                f"The parameter '{_printable(name)}' holds a NUL character or an unpaired "
+                "surrogate, which the server cannot store or look up.",
+            )
+    return await handler(request)
+
+
+def _printable(text: str, limit: int = 40) -> str:
+    text = "".join(c if c.isprintable() and not problems.unstorable(c) else "?" for c in text)
+    return text[:limit]
 
 
 async def _openapi(_request: web.Request) -> web.Response:
@@ -116,6 +215,10 @@ async def _problems(request: web.Request, handler: Handler) -> web.StreamRespons
     try:
         return await handler(request)
     except Problem as problem:
+        if request.body_exists and not request.get(_BODY_READ):
+            # Refused before its body was read: the body is not read at all, not even by the
+            # lingering read aiohttp grants a body left unread (10 s of it).
+            return await _answer_and_close(request, problem.response())
         return problem.response()
     except web.HTTPException as exc:
         known = _AIOHTTP_PROBLEMS.get(exc.status)

@@ -101,8 +101,7 @@ class SuppressionHandler:
         try:
             return await call
         except DB_ERRORS as exc:
-            log.warning("API suppression request: database trouble: %s", exc)
-            raise problems.database_unavailable(consequence) from None
+            raise problems.database_error(exc, consequence, "API suppression request") from None
 
 
 def entry_json(entry: Suppression) -> dict[str, Any]:
@@ -150,6 +149,13 @@ def _entry_request(body: bytes) -> tuple[str, str, datetime | None]:
     unknown = sorted(set(data) - FIELDS)
     if unknown:
         raise _field(f"The field '{unknown[0][:40]}' is not one of {', '.join(sorted(FIELDS))}.")
+    for name in ("address", "reason", "expires_at"):
+        value = data.get(name)
+        if isinstance(value, str) and problems.unstorable(value):
+            raise Problem(
+                problems.INVALID_VALUE,
+                f"The field '{name}' holds a NUL character or an unpaired surrogate.",
+            )
     address = data.get("address")
     if not isinstance(address, str):
         raise _field("The field 'address' must be a string: the address to suppress.")
@@ -170,9 +176,11 @@ def _entry_request(body: bytes) -> tuple[str, str, datetime | None]:
         raise _field("The field 'expires_at' must be an ISO 8601 date-time string.")
     try:
         when = datetime.fromisoformat(expires_at)
-    except ValueError:
-        raise _field("The field 'expires_at' must be an ISO 8601 date-time string.") from None
-    when = when if when.tzinfo else when.replace(tzinfo=UTC)
+        when = (when if when.tzinfo else when.replace(tzinfo=UTC)).astimezone(UTC)
+    except (ValueError, OverflowError):
+        raise _field(
+            "The field 'expires_at' must be an ISO 8601 date-time string of a year from 1 to 9999."
+        ) from None
     if when <= datetime.now(UTC):
         raise _field("The field 'expires_at' is in the past: the entry would never apply.")
     return address, reason, when
