@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import queue
 import shutil
@@ -208,10 +209,63 @@ async def org_id(pool: asyncpg.Pool) -> uuid.UUID:
     return await ensure_org(pool, "acme")
 
 
+class PortAllocator:
+    """The suite's one source of ports for servers a test starts (serve's listeners, sinks, DNS).
+
+    A port asked of the kernel (bind to 0, close, hand the number on) can be handed to someone
+    else before the server binds it: another pick of the same test (two of serve's ports came out
+    the same), another xdist worker, or any connection's local port. So ports come from below the
+    kernel's ephemeral range (ip_local_port_range), where no connection takes one; the range is
+    split between the xdist workers; each port is handed out once per run; and one found in use
+    now (a service of the machine) is passed over.
+    """
+
+    SPAN = 10_000
+
+    def __init__(self, low: int, high: int) -> None:
+        self.next, self.high = low, high
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_this_worker(cls) -> PortAllocator:
+        ephemeral_low = 32768
+        with contextlib.suppress(OSError, ValueError):
+            text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+            ephemeral_low = int(text.split()[0])
+        top = ephemeral_low - 1
+        bottom = max(1024, top - cls.SPAN)
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+        worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw") or 0)
+        share = (top - bottom) // max(1, workers)
+        low = bottom + worker * share
+        return cls(low, low + share - 1)
+
+    def take(self, host: str = "127.0.0.1") -> int:
+        with self._lock:
+            while self.next <= self.high:
+                port, self.next = self.next, self.next + 1
+                if _bindable(host, port):
+                    return port
+        raise RuntimeError(f"the suite's ports are used up (last {self.high})")
+
+
+def _bindable(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):  # DNS servers take both
+        with socket.socket(family, kind) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                return False
+    return True
+
+
+_PORTS = PortAllocator.for_this_worker()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port for a server on `host` that no other pick of this run gets (PortAllocator)."""
+    return _PORTS.take(host)
 
 
 def pigeon_command(*args: str) -> list[str]:

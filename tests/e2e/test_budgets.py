@@ -13,7 +13,7 @@ import collections
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import asyncpg
@@ -52,6 +52,7 @@ def node_config(
     *,
     processes: int,
     extra: str = "",
+    delivery: str = "",
 ) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     routes = "\n".join(
@@ -77,6 +78,7 @@ sweep_interval = "1s"
 poll_interval = "200ms"
 retry_initial = "1s"
 retry_max = "2s"
+{delivery}
 [delivery.routes]
 {routes}
 {extra}
@@ -217,78 +219,79 @@ async def test_destination_concurrency_holds_for_two_processes_pooled_sessions_i
     assert await pool.fetchval("SELECT max(attempts) FROM recipient") == 1
 
 
-# The throttling test's measurement: a window of QUIET seconds without a 421 that starts
-# SETTLED_FROM seconds after the nodes are up at the earliest, found within SETTLE_DEADLINE.
-SETTLED_FROM = 18.0
-QUIET = 8.0
-SETTLE_DEADLINE = 60.0
-
-
-@pytest.mark.slow
-async def test_throttling_replies_slow_the_cluster_below_the_destinations_limit(
+async def test_throttling_replies_lower_the_clusters_budget_and_quiet_raises_it_again(
     tmp_path: Path,
     db_url: str,
     pool: asyncpg.Pool,
     org_id: uuid.UUID,
     sinks: dict[str, tuple[SinkState, int]],
 ) -> None:
-    """A sink answers 421 4.7.0 while it took 50 messages within a second: pigeon settles
-    below that, bounces nothing, and loses or duplicates nothing."""
+    """A sink answers 421 4.7.0 while it took 50 messages within a second: the destination's
+    budget records the decrease (backing off, its effective rate below what was being sent),
+    mail waiting for it is handed back unattempted and says why; once the sink stops throttling,
+    each quiet period raises the rate again until the backoff ends. Nothing is bounced, lost or
+    sent twice. (How fast it settles, and at what rate, is bench/'s to measure: a loaded
+    machine sends slower whatever the budget allows.)"""
     state, _ = sinks["a.test"]
     state.slow_seconds = 0
     state.throttle_above = 50
-    # More than SETTLE_DEADLINE seconds of 50 a second: the backlog outlasts the measurement.
-    messages = 3200
-    await queue_to(pool, org_id, "a.test", messages)
-    config = node_config(tmp_path, db_url, "node-a", sinks, processes=2)
+    await queue_to(pool, org_id, "a.test", 3200)
+    delivery = 'backoff_quiet = "2s"\nbackoff_step = 0.25'
+    config = node_config(tmp_path, db_url, "node-a", sinks, processes=2, delivery=delivery)
     serve = await start_node(config, 2)
     env = {"PIGEON_DATABASE_URL": db_url}
+    route = f"route:127.0.0.2:{sinks['a.test'][1]}"
+    key = "destination:" + route
     try:
-        started = time.monotonic()
-        await state.wait_for(lambda: bool(state.throttled), 30)
+        await state.wait_for(lambda: bool(state.throttled), 60)
+        lowered = await _budget_when(pool, key, lambda b: b["backoff"], "backing off")
+        assert 0 < lowered["effective_rate"] < lowered["recover_rate"], dict(lowered)
+        assert "421 4.7.0" in lowered["last_reply"]
         # The commands run in threads: the sink answers meanwhile. A sink that stops reading
         # while they run takes the backlog it then finds in one burst, and throttles it.
         why = await _postponed_story(pool, env)
         shown = await asyncio.to_thread(run_pigeon, "queue", env=env)
-        # Settled: QUIET seconds without a 421. Each 421 after a decrease's hold lowers the
-        # rate again (a stall, then the bucket's second of burst on top of the rate, can still
-        # draw one), so the window starts after the last one, and SETTLED_FROM at the earliest.
-        window = await _quiet_window(state, started)
-        late = [t for t in state.throttled if window < t <= window + QUIET]
-        wall = time.time() - time.monotonic()  # the sink stamps messages with time.time()
-        accepted = sum(1 for m in state.messages if window + wall < m.at <= window + wall + QUIET)
-        attempts = accepted + len(late)
-        route = f"route:127.0.0.2:{sinks['a.test'][1]}"
-        effective = await pool.fetchval(
-            "SELECT effective_rate FROM budget WHERE key = $1", "destination:" + route
+        # The destination stops throttling: every quiet period steps the rate back up.
+        state.throttle_above = 0
+        lowest = lowered["effective_rate"]
+        raised = await _budget_when(
+            pool, key, lambda b: b["backoff"] and b["effective_rate"] > lowest, "raised", 60
         )
+        recovered = await _budget_when(pool, key, lambda b: not b["backoff"], "recovered", 90)
     finally:
         assert await stop(serve) == 0, serve.output
-    assert window + QUIET - started <= SETTLE_DEADLINE, window - started
-    assert late == [] and 5 < attempts / QUIET < 50, (len(late), attempts / QUIET)
-    assert 0 < effective < 50, effective
+    assert raised["effective_rate"] > lowest
+    assert recovered["effective_rate"] == 0  # no rate configured: none in force again
     # Nothing bounced, lost or sent twice: what the sink took is recorded delivered, once each,
     # and the rest waits in the queue (the stop handed back what was claimed).
     received = state.deliveries()
     assert set(received.values()) == {1}
     rows = await pool.fetch("SELECT address, status FROM recipient")
     assert {r["address"] for r in rows if r["status"] == "delivered"} == set(received)
-    assert {r["status"] for r in rows} == {"delivered", "queued"}
+    assert {r["status"] for r in rows} <= {"delivered", "queued"}
     assert f"destination {route}" in shown.stdout and "backing off" in shown.stdout, shown.stdout
     assert "421 4.7.0 Try again later" in shown.stdout, shown.stdout
     assert "backing off after throttling replies" in why, why
 
 
-async def _quiet_window(state: SinkState, started: float) -> float:
-    """The start (time.monotonic()) of the first QUIET seconds without a 421 that begins
-    SETTLED_FROM seconds after `started` at the earliest; waits SETTLE_DEADLINE at most."""
+async def _budget_when(
+    pool: asyncpg.Pool,
+    key: str,
+    condition: Callable[[asyncpg.Record], bool],
+    what: str,
+    timeout: float = 30,
+) -> asyncpg.Record:
+    """The budget row `key` once `condition` holds for it (polled)."""
+    deadline = time.monotonic() + timeout
     while True:
-        window = max(started + SETTLED_FROM, *state.throttled)
-        end = window + QUIET
-        now = time.monotonic()
-        if now >= end or end > started + SETTLE_DEADLINE:
-            return window
-        await asyncio.sleep(end - now)
+        row = await pool.fetchrow(
+            "SELECT backoff, effective_rate, recover_rate, last_reply FROM budget WHERE key = $1",
+            key,
+        )
+        if row is not None and condition(row):
+            return row
+        assert time.monotonic() < deadline, f"budget {key} not {what} within {timeout}s: {row}"
+        await asyncio.sleep(0.1)
 
 
 async def _postponed_story(pool: asyncpg.Pool, env: dict[str, str]) -> str:
