@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import re
 import uuid
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime, timedelta
@@ -318,8 +319,18 @@ def _stored_attempt_record(story: MessageStory, a: AttemptRecord, address: str) 
 
 
 def to_json_line(record: Record) -> str:
-    """One record as one line of JSON (no newline inside: json escapes them)."""
-    return _ENCODER.encode(record)
+    """One record as one line of JSON. json escapes CR and LF; the characters that other readers
+    also end a line at (NEL U+0085, LINE and PARAGRAPH SEPARATOR U+2028/9: Python's splitlines,
+    JavaScript before ES2019) are escaped here, so that a remote reply holding one cannot cut a
+    record in two for them."""
+    line = _ENCODER.encode(record)
+    if _LINE_BREAKS.search(line):
+        line = _LINE_BREAKS.sub(lambda m: f"\\u{ord(m[0]):04x}", line)
+    return line
+
+
+# Outside JSON strings they cannot occur, so replacing them anywhere escapes them where they are.
+_LINE_BREAKS = re.compile("[\u0085\u2028\u2029]")
 
 
 # One encoder for every record: json.dumps with options builds a new one per call (2 us of 5).

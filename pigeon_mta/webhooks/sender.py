@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import random
 import typing
@@ -29,8 +30,9 @@ import asyncpg
 
 from pigeon_mta import __version__, metrics
 from pigeon_mta.config import WebhookSettings
+from pigeon_mta.plain import plain_text
 from pigeon_mta.store import webhooks as store_webhooks
-from pigeon_mta.store.connect import DB_ERRORS
+from pigeon_mta.store.connect import DB_ERRORS, is_transient
 from pigeon_mta.store.executor import Executor
 from pigeon_mta.store.webhooks import NO_OFFER, ClaimedEvent, EventResult, Offer
 from pigeon_mta.webhooks.signing import signed_headers
@@ -87,12 +89,14 @@ async def post_event(
                 await reply.content.read(REPLY_READ_LIMIT)
             if 200 <= reply.status <= 299:
                 return HttpReply(reply.status, None)
-            return HttpReply(reply.status, f"HTTP {reply.status} {reply.reason or ''}".strip())
+            # The reason phrase is the endpoint's: undecodable bytes come as lone surrogates.
+            reason = plain_text(reply.reason or "", 200)
+            return HttpReply(reply.status, f"HTTP {reply.status} {reason}".strip())
     except TimeoutError:
         timeout = session.timeout.total
         return HttpReply(None, f"no reply within {timeout:g}s")
     except (aiohttp.ClientError, ValueError, OSError) as exc:
-        return HttpReply(None, f"{type(exc).__name__}: {exc}"[:500])
+        return HttpReply(None, plain_text(f"{type(exc).__name__}: {exc}", 500))
 
 
 def retry_delay(
@@ -329,10 +333,46 @@ class WebhookSender:
     async def _record(self) -> None:
         """Record the outcomes gathered so far in one statement. If the database cannot be
         reached they wait for the next round (no new claim is made meanwhile, so they stay few);
-        should this process die first, their events are due again when their leases pass."""
+        should this process die first, their events are due again when their leases pass. Any
+        other failure is about some result in the batch: each is then recorded alone, and one
+        that fails alone is recorded with its error made plain, else left to its lease (sent
+        again: at least once), so that no result can stop the sender's record for ever."""
         results, self._results = self._results, []
         try:
             await store_webhooks.record_event_results(self.pool, results)
-        except DB_ERRORS:
-            self._results = results + self._results
-            raise
+        except Exception as exc:
+            if is_transient(exc):
+                self._results = results + self._results
+                raise
+            log.error(
+                "webhook sender could not record %d result(s) (%s); recording them one by one",
+                len(results),
+                plain_text(f"{type(exc).__name__}: {exc}", 200),
+            )
+            await self._record_each(results)
+
+    async def _record_each(self, results: Sequence[EventResult]) -> None:
+        for i, result in enumerate(results):
+            try:
+                await store_webhooks.record_event_results(self.pool, [result])
+                continue
+            except Exception as exc:
+                if is_transient(exc):
+                    self._results = [*results[i:], *self._results]
+                    raise
+            plain = dataclasses.replace(
+                result, error=None if result.error is None else plain_text(result.error, 500)
+            )
+            try:
+                await store_webhooks.record_event_results(self.pool, [plain])
+            except Exception as exc:
+                if is_transient(exc):
+                    self._results = [*results[i:], *self._results]
+                    raise
+                log.error(
+                    "webhook %s: the result of event %s cannot be recorded (%s); it is sent "
+                    "again when its lease runs out",
+                    result.event.webhook_id,
+                    result.event.id,
+                    plain_text(f"{type(exc).__name__}: {exc}", 200),
+                )

@@ -176,6 +176,7 @@ def test_one_process_metrics_health_queue_gauges_and_expiry(
         "database: ok (reachable)",
         "workers: ok (1 of 1 worker process(es) ready)",
         "listener api: ok (bound in 1 process(es))",  # [api] listen, from write_config
+        "recorder: ok (recording)",
     ]
 
     def queue_published() -> Samples | None:

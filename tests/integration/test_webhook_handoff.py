@@ -5,6 +5,7 @@ a real PostgreSQL and a real aiohttp receiver on loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from typing import Literal
@@ -175,3 +176,60 @@ async def test_a_record_whose_database_connection_drops_gives_the_room_back(
         await record_pool.close()
     await receiver.wait_for(lambda: len(receiver.requests) == 2, timeout=30)
     assert await pool.fetchval("SELECT count(*) FROM webhook_event") == 2
+
+
+async def test_a_hostile_endpoints_reply_never_stops_the_senders_record(
+    pool: asyncpg.Pool, org_id: uuid.UUID, receiver: WebhookReceiver
+) -> None:
+    """One endpoint answers 500 with a reason phrase of bytes that are not UTF-8 (aiohttp gives
+    them as lone surrogates, which PostgreSQL refuses): its result is recorded with the reason
+    made plain, and the other endpoint's events, recorded in the same batch, are delivered
+    once. When the first stopped the batch's record, neither was recorded, and the sender
+    looked in the outbox no more."""
+
+    async def hostile(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
+            await reader.readexactly(length)
+            writer.write(b"HTTP/1.1 500 Bad \xff\xfe reason\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(hostile, "127.0.0.1", 0)
+    bad_url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/hooks"
+    assert receiver.secret is not None
+    bad = await store_webhooks.add_webhook(pool, org_id, bad_url, ["delivered"], new_secret())
+    good = await store_webhooks.add_webhook(
+        pool, org_id, receiver.url, ["delivered"], receiver.secret
+    )
+    await leases.record_attempts(pool, await delivered(pool, org_id, 3))
+    settings = WebhookSettings(poll_interval=Duration(0.2), concurrency_per_endpoint=8)
+    sender = WebhookSender(settings, pool)
+    await sender.start()
+    try:
+        await receiver.wait_for(lambda: len(receiver.requests) >= 3, 30)
+        for _ in range(100):
+            states = await pool.fetch(
+                "SELECT webhook_id, state, attempts, last_error FROM webhook_event"
+            )
+            if all(
+                s["attempts"] == 1 and s["last_error"] for s in states if s["webhook_id"] == bad.id
+            ) and all(s["state"] == "delivered" for s in states if s["webhook_id"] == good.id):
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        await sender.stop(asyncio.get_running_loop().time() + 5)
+        server.close()
+        await server.wait_closed()
+    for s in states:
+        if s["webhook_id"] == good.id:
+            assert s["state"] == "delivered"
+        else:
+            assert s["state"] == "pending" and s["attempts"] == 1
+            assert s["last_error"] == "HTTP 500 Bad \\udcff\\udcfe reason"
+    assert len(receiver.requests) == 3  # each once: recorded, not sent again after a lease
