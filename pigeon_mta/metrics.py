@@ -203,17 +203,14 @@ def start_at_zero(listeners: Iterable[str]) -> None:
         AUTH_FAILURES.labels(listener=name)
         DUPLICATE_RECIPIENTS.labels(listener=name)
         LISTENERS_BOUND.labels(listener=name)
-    for outcome in DELIVERY_OUTCOMES:
-        DELIVERIES.labels(outcome=outcome)
-    for outcome in WEBHOOK_OUTCOMES:
-        WEBHOOK_DELIVERIES.labels(outcome=outcome)
-    for algorithm in DKIM_ALGORITHMS:
-        DKIM_SIGNATURES.labels(algorithm=algorithm)
-    for reason in DKIM_UNSIGNED_REASONS:
-        DKIM_UNSIGNED.labels(reason=reason)
-    for step in RECORD_FAILURE_STEPS:
-        RECORD_FAILURES.labels(step=step)
-    for step in DSN_FAILURE_STEPS:
-        DSN_FAILURES.labels(step=step)
-    for task in MAINTENANCE_TASKS:
-        MAINTENANCE_FAILURES.labels(task=task)
+    for metric, label, values in (
+        (DELIVERIES, "outcome", DELIVERY_OUTCOMES),
+        (WEBHOOK_DELIVERIES, "outcome", WEBHOOK_OUTCOMES),
+        (DKIM_SIGNATURES, "algorithm", DKIM_ALGORITHMS),
+        (DKIM_UNSIGNED, "reason", DKIM_UNSIGNED_REASONS),
+        (RECORD_FAILURES, "step", RECORD_FAILURE_STEPS),
+        (DSN_FAILURES, "step", DSN_FAILURE_STEPS),
+        (MAINTENANCE_FAILURES, "task", MAINTENANCE_TASKS),
+    ):
+        for value in values:
+            metric.labels(**{label: value})

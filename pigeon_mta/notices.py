@@ -152,16 +152,6 @@ def _built(
 ) -> Envelope | None:
     """`build(original, reports)`; built again from the plain replies if that raises, and None
     (logged, counted) if that raises too."""
-    try:
-        return build(original, reports)
-    except Exception as exc:
-        log.error(
-            "could not build the DSN for message %s (%s); building it from the plain replies",
-            original.queue_id,
-            plain_text(f"{type(exc).__name__}: {exc}", 200),
-            exc_info=exc,
-        )
-        DSN_FAILURES.labels(step="plain").inc()
     plain = [
         dataclasses.replace(
             r,
@@ -171,17 +161,22 @@ def _built(
         )
         for r in reports
     ]
-    try:
-        return build(original, plain)
-    except Exception as exc:
-        log.error(
-            "could not build the DSN for message %s at all (%s): its sender is not told",
-            original.queue_id,
-            plain_text(f"{type(exc).__name__}: {exc}", 200),
-            exc_info=exc,
-        )
-        DSN_FAILURES.labels(step="skipped").inc()
-        return None
+    for attempt, step, instead in (
+        (reports, "plain", "building it from the plain replies"),
+        (plain, "skipped", "its sender is not told"),
+    ):
+        try:
+            return build(original, attempt)
+        except Exception as exc:
+            log.error(
+                "could not build the DSN for message %s (%s); %s",
+                original.queue_id,
+                plain_text(f"{type(exc).__name__}: {exc}", 200),
+                instead,
+                exc_info=exc,
+            )
+            DSN_FAILURES.labels(step=step).inc()
+    return None
 
 
 async def _enqueue(db: Executor, dsns: list[tuple[uuid.UUID, Envelope]]) -> list[uuid.UUID]:

@@ -148,44 +148,36 @@ class Recorder:
         """One result that failed on its own: recorded plain, else plain without its DSN and
         suppression entry, else dropped (its lease runs out and it is tried again). Raises only a
         transient database error."""
-        why = plain_text(f"{type(exc).__name__}: {exc}", 200)
+        plain = plain_result(result, _why(exc))
+        failure = exc
+        for step, notices_too, instead in (
+            ("isolated", True, "recording it plain"),
+            ("without_notices", False, "recording it plain without its DSN and suppression entry"),
+        ):
+            log.error(
+                "could not record the outcome of recipient %s (attempt %d, %s): %s; %s",
+                result.recipient_id,
+                result.attempt,
+                result.outcome,
+                _why(failure),
+                instead,
+                exc_info=failure,
+            )
+            RECORD_FAILURES.labels(step=step).inc()
+            try:
+                await self.record([plain], notices_too=notices_too)
+                return
+            except Exception as again:
+                if is_transient(again):
+                    raise
+                failure = again
         log.error(
-            "could not record the outcome of recipient %s (attempt %d, %s): %s; recording it plain",
+            "could not record the outcome of recipient %s at all (%s): dropped; its lease runs "
+            "out and it is tried again (a possible duplicate)",
             result.recipient_id,
-            result.attempt,
-            result.outcome,
-            why,
-            exc_info=exc,
+            _why(failure),
+            exc_info=failure,
         )
-        RECORD_FAILURES.labels(step="isolated").inc()
-        plain = plain_result(result, why)
-        try:
-            await self.record([plain])
-            return
-        except Exception as again:
-            if is_transient(again):
-                raise
-            log.error(
-                "could not record the plain outcome of recipient %s either (%s); recording it "
-                "without its DSN and suppression entry",
-                result.recipient_id,
-                plain_text(f"{type(again).__name__}: {again}", 200),
-                exc_info=again,
-            )
-        RECORD_FAILURES.labels(step="without_notices").inc()
-        try:
-            await self.record([plain], notices_too=False)
-            return
-        except Exception as last:
-            if is_transient(last):
-                raise
-            log.error(
-                "could not record the outcome of recipient %s at all (%s): dropped; its lease "
-                "runs out and it is tried again (a possible duplicate)",
-                result.recipient_id,
-                plain_text(f"{type(last).__name__}: {last}", 200),
-                exc_info=last,
-            )
         RECORD_FAILURES.labels(step="dropped").inc()
 
     async def record(self, results: Sequence[AttemptResult], *, notices_too: bool = True) -> None:
@@ -312,3 +304,7 @@ class Recorder:
     def pending(self) -> tuple[AttemptResult, ...]:
         """The results waiting to be recorded."""
         return tuple(self._pending)
+
+
+def _why(exc: BaseException) -> str:
+    return plain_text(f"{type(exc).__name__}: {exc}", 200)
