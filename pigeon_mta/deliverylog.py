@@ -11,6 +11,7 @@ database keeps them whole (`pigeon-mta log`). So lines from several processes ne
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import select
@@ -159,7 +160,16 @@ def _line(record: Record, limit: int | None) -> bytes:
 
 
 def _json_line(record: Record) -> bytes:
-    return (to_json_line(record) + "\n").encode()
+    line = to_json_line(record) + "\n"
+    try:
+        return line.encode()
+    except UnicodeEncodeError:
+        # A lone surrogate (undecodable bytes of a peer, kept as aiosmtplib gives them): JSON's
+        # \\udcxx escape keeps the line valid UTF-8 and the record whole.
+        return (_ASCII_ENCODER.encode(record) + "\n").encode()
+
+
+_ASCII_ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
 
 
 def _chunks(lines: Sequence[bytes], limit: int = select.PIPE_BUF) -> Iterable[bytes]:

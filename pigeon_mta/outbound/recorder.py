@@ -137,10 +137,8 @@ class Recorder:
                     continue
                 try:
                     await self._record_alone(part[0], exc)
-                except Exception as lost:
-                    if is_transient(lost):
-                        return done, lost
-                    raise  # _record_alone raises nothing else
+                except Exception as lost:  # only a transient error comes out of it
+                    return done, lost
             done += len(part)
         return done, None
 
@@ -205,12 +203,18 @@ class Recorder:
             # answer was lost are claimed for it all the same; they are due again after the lease.
             if self.webhooks is not None:
                 self.webhooks.take(offer, events, waiting)
-        applied = done.applied
-        # Only outcomes that took effect: a fenced-out (stale) result is logged, not counted.
-        counts = collections.Counter(str(r.outcome) for r in results if r.recipient_id in applied)
-        for outcome, count in counts.items():
-            DELIVERIES.labels(outcome=outcome).inc(count)
-        self._log_results(results)
+        # Committed: nothing after this may fail the record, which would record it again.
+        try:
+            applied = done.applied
+            # Only outcomes that took effect: a fenced-out (stale) result is logged, not counted.
+            counts = collections.Counter(
+                str(r.outcome) for r in results if r.recipient_id in applied
+            )
+            for outcome, count in counts.items():
+                DELIVERIES.labels(outcome=outcome).inc(count)
+            self._log_results(results)
+        except Exception:
+            log.exception("%d delivery result(s) recorded, but not logged", len(results))
 
     def _log_results(self, results: Sequence[AttemptResult]) -> None:
         """Delivery-log records, written after the commit (the same events are in the database)."""

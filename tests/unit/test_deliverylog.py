@@ -346,3 +346,18 @@ def test_a_closed_stdout_writes_nowhere_and_says_so(tmp_path: Path) -> None:
     assert err.split("\n")[-2] == "1 off (stdout is closed)", err
     assert "stdout is closed" in err
     assert taken.read_bytes() == b""
+
+
+def test_a_reply_with_line_breaks_or_lone_surrogates_stays_one_valid_line(tmp_path: Path) -> None:
+    """NEL, LINE SEPARATOR and PARAGRAPH SEPARATOR are escaped (Python's splitlines and older
+    JavaScript end a line there), and a lone surrogate is written as JSON's \\udcxx: every
+    record one line of valid UTF-8 for any reader."""
+    path = tmp_path / "delivery.log"
+    log = DeliveryLog.open(str(path))
+    texts = ["a\x85b", "c\u2028d\u2029e", "caf\udce9"]
+    for text in texts:
+        log.attempts(delivery(), [result(Outcome.DEFERRED, Reply(450, "4.0.0", text))])
+    log.close()
+    data = path.read_bytes()
+    lines = data.decode("utf-8").splitlines()  # strict UTF-8; splitlines ends lines at NEL too
+    assert [json.loads(line)["response"] for line in lines] == texts
