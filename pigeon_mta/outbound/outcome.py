@@ -64,6 +64,7 @@ def judge(
         verdict = classify(item.result, item.stage)
         if not isinstance(item.result, KeysUnavailable):  # the database away: it passes
             verdict = give_up_repeated_failure(verdict, item.recipient.last_reply)
+        verdict = rate_limits_are_temporary(verdict)
         outcome, rule, next_at = verdict.outcome, verdict.rule, None
         if outcome == Outcome.DEFERRED:
             delay = backoff_delay(
@@ -101,6 +102,19 @@ def judge(
             )
         )
     return out
+
+
+def rate_limits_are_temporary(verdict: Verdict) -> Verdict:
+    """A permanent reply from a server that says it is limiting our rate ("550 5.7.1 sending
+    rate exceeded", a 5xx with Gmail's 4.7.28 words) defers: too much, too fast is the sender's
+    state at that moment, never the recipient's, and bouncing it would lose mail that the same
+    server takes later. (The throttling it reports lowers the destination's budget as a 4xx
+    does: outbound/throttling.py.)"""
+    if verdict.outcome != Outcome.BOUNCED or verdict.reply.code < 500:
+        return verdict
+    if classify_reply(verdict.reply).category != Category.RATE_LIMITED:
+        return verdict
+    return Verdict(Outcome.DEFERRED, verdict.reply, f"{verdict.rule}; rate-limit-is-temporary")
 
 
 def _after_stated_delay(next_at: datetime, reply: Reply, now: datetime) -> datetime:

@@ -126,3 +126,24 @@ def test_a_lane_max_age_replaces_delivery_max_age() -> None:
     outcome, _category, rule, next_at = judged(later, "rcpt", queued_ago=7200, max_age=3600)
     assert (outcome, next_at) == (E, None) and rule is not None and "max-age" in rule
     assert judged(later, "rcpt", queued_ago=60, max_age=3600)[0] == X
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        Reply(550, "5.7.1", "Daily sending quota exceeded"),
+        Reply(554, None, "Message rejected: sending rate limit exceeded"),
+        Reply(550, "5.7.28", "Our system has detected an unusual rate of unsolicited mail"),
+    ],
+)
+def test_a_permanent_reply_that_says_rate_limit_defers(reply: Reply) -> None:
+    """Too much, too fast is the sender's state, not the recipient's: retried, not bounced."""
+    outcome, category, rule, next_at = judged(reply, "rcpt")
+    assert outcome == X and category == "rate-limited"
+    assert rule is not None and "permanent; rate-limit-is-temporary" in rule
+    assert next_at is not None and next_at > NOW
+
+
+def test_a_permanent_reply_about_the_recipient_still_bounces() -> None:
+    outcome, _category, rule, _next = judged(Reply(550, "5.1.1", "user unknown"), "rcpt")
+    assert outcome == B and rule is not None and "rate-limit" not in rule
