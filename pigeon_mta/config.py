@@ -489,6 +489,12 @@ class LaneSettings:
     max_age: Duration = Duration(0)
 
 
+# `[lanes] header`: how far a message's X-Pigeon-Lane field (the API's `lane`) may move it from
+# the lane the operator set (submission/lanes.py).
+LaneHeader = Literal["any", "lower", "off"]
+LANE_HEADER_POLICIES: tuple[LaneHeader, ...] = ("any", "lower", "off")
+
+
 def default_lanes() -> dict[str, LaneSettings]:
     """The built-in lanes; [lanes.NAME] entries add lanes or change these."""
     return {DEFAULT_LANE: LaneSettings(weight=10.0), BULK_LANE: LaneSettings(weight=1.0)}
@@ -518,6 +524,9 @@ class Settings:
     webhooks: WebhookSettings = field(default_factory=WebhookSettings)
     # Lanes by name: always "transactional" and "bulk", and those [lanes.NAME] declares.
     lanes: dict[str, LaneSettings] = field(default_factory=default_lanes)
+    # `[lanes] header` (config_loader.py reads it from the [lanes] table): "lower" lets the
+    # X-Pigeon-Lane field only move mail to a lane that weighs no more than the operator's.
+    lane_header: LaneHeader = "lower"
     # Where the settings came from, for messages ("built-in defaults" or a path).
     source: str = "built-in defaults"
 

@@ -19,9 +19,11 @@ from typing import Any, Literal
 
 from pigeon_mta.config import (
     API_LISTENER,
+    LANE_HEADER_POLICIES,
     DeliverySettings,
     Duration,
     HostPort,
+    LaneHeader,
     LaneSettings,
     Network,
     ServerSettings,
@@ -38,8 +40,8 @@ class ConfigError(Exception):
     """A configuration problem, worded as one sentence for the operator."""
 
 
-# Fields that are not read from the file.
-_INTERNAL_FIELDS = {"source"}
+# Fields that are not read from the file by their own name (lane_header is [lanes] header).
+_INTERNAL_FIELDS = {"source", "lane_header"}
 
 
 def load_settings(
@@ -68,8 +70,11 @@ def load_settings(
         except OSError as exc:
             raise ConfigError(f"config file {chosen} cannot be read: {exc.strerror}") from None
         source = chosen
+    data, lane_header = _lane_header(data)
     settings = _build(Settings, data, "")
-    settings = dataclasses.replace(settings, lanes=_with_builtin_lanes(settings, data))
+    settings = dataclasses.replace(
+        settings, lanes=_with_builtin_lanes(settings, data), lane_header=lane_header
+    )
     url = env.get(ENV_DATABASE_URL, "")
     if url:
         settings = dataclasses.replace(
@@ -79,6 +84,21 @@ def load_settings(
     _check(settings)
     assert isinstance(settings, Settings)
     return settings
+
+
+def _lane_header(data: dict[str, Any]) -> tuple[dict[str, Any], LaneHeader]:
+    """`[lanes] header` taken out of the [lanes] table, whose other keys are lane names."""
+    lanes = data.get("lanes")
+    if not isinstance(lanes, dict) or "header" not in lanes:
+        return data, "lower"
+    value = lanes["header"]
+    if value not in LANE_HEADER_POLICIES:
+        raise ConfigError(
+            f"bad value for 'lanes.header': {value!r} is not one of "
+            f"{', '.join(LANE_HEADER_POLICIES)}"
+        )
+    rest = {name: lane for name, lane in lanes.items() if name != "header"}
+    return {**data, "lanes": rest}, typing.cast(LaneHeader, value)
 
 
 def _with_builtin_lanes(settings: Settings, data: dict[str, Any]) -> dict[str, LaneSettings]:
@@ -125,7 +145,7 @@ def _check_lanes(settings: Settings) -> None:
 
 def settings_schema_keys(cls: type = Settings, prefix: str = "") -> list[str]:
     """Every dotted key the file may set (used to check that the example config documents all)."""
-    keys: list[str] = []
+    keys: list[str] = ["lanes.header"] if cls is Settings else []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in _INTERNAL_FIELDS:

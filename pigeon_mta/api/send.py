@@ -183,7 +183,12 @@ class SendHandler:
 
     def _lane(self, key: ApiKey, submission: Submission, fixed: Fixed) -> str:
         lanes = self.settings.lanes
-        if submission.lane is not None and submission.lane.strip().lower() not in lanes:
+        header = self.settings.lane_header
+        if (
+            header != "off"
+            and submission.lane is not None
+            and submission.lane.strip().lower() not in lanes
+        ):
             known = ", ".join(sorted(lanes))
             raise Problem(
                 problems.UNKNOWN_LANE,
@@ -199,7 +204,15 @@ class SendHandler:
             user_lane=key.lane if key.lane in lanes else None,
             listener_lane="",
             lanes=lanes,
+            header=header,
         )
+        if choice.overruled:
+            log.info(
+                "API request of key %s stays in lane '%s': %s",
+                key.id,
+                choice.lane,
+                choice.overruled,
+            )
         if choice.refusal:
             raise Problem(
                 problems.UNKNOWN_LANE,

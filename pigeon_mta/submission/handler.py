@@ -187,10 +187,18 @@ class SubmissionHandler:
             user_lane=conv.login.lane if conv.login else None,
             listener_lane=self.ctx.listener.lane,
             lanes=self.ctx.settings.lanes,
+            header=self.ctx.settings.lane_header,
         )
         if lane.refusal:
             log.info("message from [%s] refused: %s", conv.client_ip, lane.refusal)
             return lane.refusal
+        if lane.overruled:
+            log.info(
+                "message from [%s] stays in lane '%s': %s",
+                conv.client_ip,
+                lane.lane,
+                lane.overruled,
+            )
         message = model.Envelope(
             org_id=org_id,
             sender=sender,

@@ -1,9 +1,13 @@
-"""Which lane a submitted message is delivered in ([lanes] in the settings): the first that says.
+"""Which lane a submitted message is delivered in ([lanes] in the settings).
 
-1. the X-Pigeon-Lane field of the message (submission/fixups.py takes it out of the message);
-2. the lane of the AUTH user (`pigeon-mta user set USER --lane NAME`);
-3. the lane of the listener (`lane` of its [[listener]]);
-4. the default lane, "transactional".
+The operator's lane comes first of these: the lane of the AUTH user (`pigeon-mta user set USER
+--lane NAME`, or an API key's `--lane`), else the lane of the listener (`lane` of its
+[[listener]]), else the default lane, "transactional". The message's X-Pigeon-Lane field
+(submission/fixups.py takes it out of the message; the API's `lane`) may move it to another lane
+as `[lanes] header` allows: "lower" (the default) only to a lane that weighs no more than the
+operator's, so that a sender cannot put its campaign in the lane of password resets; "any" to any
+lane; "off" not at all (the field is removed and not read). A field the policy does not follow
+leaves the operator's lane, with a line in the log.
 
 A name in the field is compared without case and surrounding space. The field asks for a lane by
 name, so a name the server does not have is refused (550 5.7.0): a typo must not move mail into
@@ -19,10 +23,10 @@ the sender cannot change; the operator sees the warning and sets the user's lane
 from __future__ import annotations
 
 import logging
-from collections.abc import Container, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pigeon_mta.config import DEFAULT_LANE
+from pigeon_mta.config import DEFAULT_LANE, LaneHeader, LaneSettings
 from pigeon_mta.submission import replies
 
 log = logging.getLogger("pigeon_mta.submission")
@@ -35,6 +39,8 @@ _SHOWN = 64
 class LaneChoice:
     lane: str  # the lane to store, or "" with `refusal` set
     refusal: str | None = None  # the reply for a field that names no lane
+    # Why a field's lane was not followed (`[lanes] header`), for the log; None when it was.
+    overruled: str | None = None
 
 
 def choose_lane(
@@ -43,23 +49,46 @@ def choose_lane(
     user: str | None,
     user_lane: str | None,
     listener_lane: str,
-    lanes: Container[str],
+    lanes: Mapping[str, LaneSettings],
+    header: LaneHeader = "lower",
 ) -> LaneChoice:
     """The lane of a message, from its X-Pigeon-Lane `fields` (the values, in order), its AUTH
-    `user` and that user's lane, and its listener's lane ("" for none); see the module docstring."""
+    `user` and that user's lane, its listener's lane ("" for none) and the `header` policy; see
+    the module docstring."""
+    operators = _operators_lane(user, user_lane, listener_lane, lanes)
+    if header == "off":
+        return LaneChoice(operators)
     named = list(dict.fromkeys(v.strip().lower() for v in fields if v.strip()))
     if len(named) > 1:
         shown = ", ".join(_printable(n) for n in named)
         return LaneChoice("", replies.LANES_DIFFER.format(lanes=_cut(shown)))
-    if named:
-        if named[0] not in lanes:
-            return LaneChoice("", replies.UNKNOWN_LANE.format(lane=_cut(_printable(named[0]))))
-        return LaneChoice(named[0])
+    if not named:
+        return LaneChoice(operators)
+    asked = named[0]
+    if asked not in lanes:
+        return LaneChoice("", replies.UNKNOWN_LANE.format(lane=_cut(_printable(asked))))
+    if header == "lower" and lanes[asked].weight > _weight(lanes, operators):
+        return LaneChoice(
+            operators,
+            overruled=f"X-Pigeon-Lane '{asked}' weighs more than the lane '{operators}' the "
+            "operator set (lanes.header = lower)",
+        )
+    return LaneChoice(asked)
+
+
+def _operators_lane(
+    user: str | None, user_lane: str | None, listener_lane: str, lanes: Mapping[str, LaneSettings]
+) -> str:
     if user_lane:
         if user_lane in lanes:
-            return LaneChoice(user_lane)
+            return user_lane
         _warn_stale_user_lane(user or "?", user_lane)
-    return LaneChoice(listener_lane or DEFAULT_LANE)
+    return listener_lane or DEFAULT_LANE
+
+
+def _weight(lanes: Mapping[str, LaneSettings], name: str) -> float:
+    lane = lanes.get(name)
+    return lane.weight if lane is not None else 1.0
 
 
 _warned: set[tuple[str, str]] = set()

@@ -339,3 +339,20 @@ async def test_a_key_revoked_while_the_server_runs_is_refused_as_api_auth_cache_
         # "0" asks the database at every request; a long cache keeps the found key that long.
         status, _h, body = await post(api, GOOD)
         assert status == after_revoking, body
+
+
+@pytest.mark.parametrize(("header", "lane"), [("lower", "bulk"), ("any", "transactional")])
+async def test_a_keys_lane_and_the_requests_lane_as_lanes_header_allows(
+    pool: asyncpg.Pool, header: str, lane: str
+) -> None:
+    """A key the operator put in `bulk` asks for `transactional` in its request: "lower" (the
+    default) keeps it in bulk, "any" lets it move."""
+    settings = dataclasses.replace(Settings(), lane_header=header)
+    async with running_api(pool, settings) as api:
+        _row, bulk_key = await store_apikeys.add_api_key(pool, api.acme, lane="bulk")
+        status, _headers, body = await post(api, {**GOOD, "lane": "transactional"}, key=bulk_key)
+        assert status == 202, body
+        queued = await pool.fetchval(
+            "SELECT lane FROM message WHERE id = $1", uuid.UUID(json.loads(body)["queue_id"])
+        )
+    assert queued == lane

@@ -124,11 +124,29 @@ async def test_an_unknown_lane_gets_550_and_nothing_is_queued(
     assert await counts(pool) == (2, 2)
 
 
-async def test_the_field_then_the_user_then_the_listener_then_the_default(
-    tmp_path: Path, db_url: str, pool: asyncpg.Pool, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("header", "higher_field", "lower_field", "relay_field"),
+    [
+        ("lower", "notify", "bulk", "bulk"),  # the default: only to a lane of no more weight
+        ("any", "transactional", "bulk", "bulk"),
+        ("off", "notify", "notify", "transactional"),
+    ],
+)
+async def test_the_operators_lane_then_the_field_as_lanes_header_allows(
+    tmp_path: Path,
+    db_url: str,
+    pool: asyncpg.Pool,
+    caplog: pytest.LogCaptureFixture,
+    header: str,
+    higher_field: str,
+    lower_field: str,
+    relay_field: str,
 ) -> None:
+    """The user's lane, else the listener's, else the default; X-Pigeon-Lane moves a message
+    from it as `[lanes] header` says: a `notify` user (weight 5) asking for `transactional`
+    (10) or `bulk` (1), and relay mail (transactional) asking for `bulk`."""
     base = make_settings(tmp_path, db_url, None, modes=("relay", "submission"), plaintext_auth=True)
-    settings = with_lanes(base)
+    settings = dataclasses.replace(with_lanes(base), lane_header=header)
     submission = dataclasses.replace(settings.listener[1], lane="bulk")
     settings = dataclasses.replace(settings, listener=(settings.listener[0], submission))
     notify = await add_user(pool, "notify-app")
@@ -136,7 +154,9 @@ async def test_the_field_then_the_user_then_the_listener_then_the_default(
     stale = await add_user(pool, "stale-app", domains=())
     await store_credentials.set_lane(pool, "notify-app", "notify")
     # A lane the settings no longer have (they changed after `user set`).
-    await store_credentials.set_lane(pool, "stale-app", "retired")
+    # (a lane name of its own per case: the warning comes once per user, lane and process)
+    retired = f"retired-{header}"
+    await store_credentials.set_lane(pool, "stale-app", retired)
     caplog.set_level(logging.WARNING, "pigeon_mta.submission")
 
     async with running_service(settings, pool) as running:
@@ -150,11 +170,17 @@ async def test_the_field_then_the_user_then_the_listener_then_the_default(
         plain_message = message(SENDER, "bob@plain.test")
         cases = {
             "user": (sub, plain_message, (notify.username, notify.password)),
-            "field over user": (
+            "higher field over user": (
                 sub,
                 with_fields("X-Pigeon-Lane: transactional"),
                 (notify.username, notify.password),
             ),
+            "lower field over user": (
+                sub,
+                with_fields("X-Pigeon-Lane: bulk"),
+                (notify.username, notify.password),
+            ),
+            "field over default": (relay, with_fields("X-Pigeon-Lane: bulk"), None),
             "listener": (sub, plain_message, (plain.username, plain.password)),
             "stale user lane": (sub, plain_message, (stale.username, stale.password)),
             "default": (relay, plain_message, None),
@@ -165,12 +191,14 @@ async def test_the_field_then_the_user_then_the_listener_then_the_default(
             got[name] = (await lanes_of(pool, queue_id))[0]
     assert got == {
         "user": "notify",
-        "field over user": "transactional",
+        "higher field over user": higher_field,
+        "lower field over user": lower_field,
+        "field over default": relay_field,
         "listener": "bulk",
         "stale user lane": "bulk",
         "default": "transactional",
     }
-    warnings = [r.getMessage() for r in caplog.records if "retired" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if retired in r.getMessage()]
     assert len(warnings) == 1 and "stale-app" in warnings[0]
 
 

@@ -64,3 +64,18 @@ def test_a_listener_may_name_a_declared_lane(tmp_path: Path) -> None:
         'address = "127.0.0.1:2525"\nlane = "newsletters"\n',
     )
     assert settings.listener[0].lane == "newsletters"
+
+
+@pytest.mark.parametrize("policy", ["any", "lower", "off"])
+def test_lanes_header_is_a_policy_not_a_lane(tmp_path: Path, policy: str) -> None:
+    settings = load(tmp_path, f'[lanes]\nheader = "{policy}"\n[lanes.alerts]\nweight = 50\n')
+    assert settings.lane_header == policy
+    assert set(settings.lanes) == {"transactional", "bulk", "alerts"}
+
+
+def test_lanes_header_defaults_to_lower_and_refuses_other_words(tmp_path: Path) -> None:
+    assert load(tmp_path, "").lane_header == "lower"
+    with pytest.raises(
+        ConfigError, match=r"'lanes.header': 'higher' is not one of any, lower, off"
+    ):
+        load(tmp_path, '[lanes]\nheader = "higher"\n')
