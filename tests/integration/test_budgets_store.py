@@ -105,3 +105,47 @@ async def test_a_starting_node_frees_the_slots_its_earlier_runs_held(pool: async
     assert await budgets.free_slots_of_gone_runs(pool, "node-a", "node-a/new") == 1
     holders = await pool.fetch("SELECT holder FROM budget_slot ORDER BY holder")
     assert [r["holder"] for r in holders] == ["node-a/new#11", "node-ab/x#12"]
+
+
+async def test_callers_that_queue_for_the_row_never_get_more_than_the_rate(
+    db_url: str, pool: asyncpg.Pool
+) -> None:
+    """16 callers on their own connections take tokens of one budget (20/s, a burst of 1) as
+    fast as they can for 3 s. Each waits for the row lock; its grant must be counted from when it
+    got the lock, not from when its statement began: counted from the start, a caller that began
+    before the one ahead of it saw time go backwards, and the next one was granted that stretch
+    twice (1.95x and 5.5x the rate with 8 and 16 callers)."""
+    rate, seconds = 20.0, 3.0
+    connections = [await asyncpg.connect(db_url) for _ in range(16)]
+    granted = [0] * len(connections)
+    grants: list[int] = []
+    loop = asyncio.get_running_loop()
+
+    async def caller(i: int, conn: asyncpg.Connection, until: float) -> None:
+        while loop.time() < until:
+            grant = await budgets.take_grants(
+                conn,
+                [GrantRequest(KEY, rate, 0, 1.0, 1, 0)],
+                holder=f"n{i}/r#1",
+                lease=60,
+                horizon=60,
+                step=0.5,
+                quiet=30,
+            )
+            granted[i] += grant[KEY].tokens
+            grants.append(grant[KEY].tokens)
+
+    try:
+        await take(pool, "warm/r#1", GrantRequest(KEY, rate, 0, 1.0, 1, 0))  # the row exists
+        started = await pool.fetchval("SELECT clock_timestamp()")
+        until = loop.time() + seconds
+        await asyncio.gather(*(caller(i, c, until) for i, c in enumerate(connections)))
+        ended = await pool.fetchval("SELECT clock_timestamp()")
+    finally:
+        for conn in connections:
+            await conn.close()
+    elapsed = (ended - started).total_seconds()
+    # The bucket allows its rate over the time and one burst; a token's worth of rounding more.
+    assert min(grants) >= 0, sorted(grants)[:5]  # never a negative grant
+    assert sum(granted) <= rate * elapsed + 2, (sum(granted), elapsed)
+    assert await pool.fetchval("SELECT tokens >= 0 FROM budget WHERE key = $1", KEY)
