@@ -31,6 +31,7 @@ import asyncpg
 from pigeon_mta.config import Settings
 from pigeon_mta.metrics import BUDGET_POSTPONED, BUDGETS_BACKING_OFF
 from pigeon_mta.model import Delivery, Reply
+from pigeon_mta.node import STALE_AFTER
 from pigeon_mta.outbound.connect import ConnectionKey
 from pigeon_mta.outbound.limits import DestinationPolicy
 from pigeon_mta.outbound.pool import ConnectionPool
@@ -285,6 +286,7 @@ class Budgets:
             horizon=BOOKING_HORIZON,
             step=self.delivery.backoff_step,
             quiet=self.delivery.backoff_quiet,
+            stale=STALE_AFTER,
         )
         for key, grant in grants.items():
             held = self._held[key]

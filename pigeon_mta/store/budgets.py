@@ -58,12 +58,14 @@ async def take_grants(
     horizon: float,
     step: float,
     quiet: float,
+    stale: float,
 ) -> dict[str, Grant]:
     """Tokens and slots for every requested budget, in one statement (budget_take). Mail handed
-    back for want of tokens is booked at most `horizon` seconds ahead."""
+    back for want of tokens is booked at most `horizon` seconds ahead. Slots of holders that are
+    not a live run of their node (a heartbeat older than `stale` seconds) are freed first."""
     rows = await db.fetch(
         "SELECT * FROM budget_take($1::text[], $2::float8[], $3::int[], $4::float8[],"
-        " $5::int[], $6::int[], $7, $8, $9, $10, $11)",
+        " $5::int[], $6::int[], $7, $8, $9, $10, $11, $12)",
         [r.key for r in requests],
         [float(r.rate) for r in requests],
         [r.concurrency for r in requests],
@@ -75,6 +77,7 @@ async def take_grants(
         float(horizon),
         float(step),
         float(quiet),
+        float(stale),
     )
     return {
         row["key"]: Grant(

@@ -19,6 +19,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from pigeon_mta.node import STALE_AFTER
 from tests.conftest import free_port, run_pigeon
 from tests.e2e.faults_helpers import admin_execute, database_name, fetch, terminate_backends
 from tests.e2e.serve_process import ServeProcess, write_config
@@ -53,6 +54,7 @@ def node_config(
     processes: int,
     extra: str = "",
     delivery: str = "",
+    lease: str = "5s",
 ) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     routes = "\n".join(
@@ -73,7 +75,7 @@ url = "{db_url}"
 [metrics]
 listen = "127.0.0.1:{free_port()}"
 [delivery]
-lease = "5s"
+lease = "{lease}"
 sweep_interval = "1s"
 poll_interval = "200ms"
 retry_initial = "1s"
@@ -311,18 +313,24 @@ async def _postponed_story(pool: asyncpg.Pool, env: dict[str, str]) -> str:
     return "no recipient was postponed for the backoff"
 
 
-async def test_a_node_killed_with_a_session_slot_blocks_its_destination_one_lease_at_most(
+async def test_a_node_killed_with_a_session_slot_frees_it_within_its_heartbeats_staleness(
     tmp_path: Path,
     db_url: str,
     pool: asyncpg.Pool,
     org_id: uuid.UUID,
     sinks: dict[str, tuple[SinkState, int]],
 ) -> None:
+    """node-a holds a.test's only session slot (concurrency 1) under a 5-minute lease and is
+    killed mid-DATA: node-b's mail to a.test goes out once node-a's heartbeat is stale (30 s,
+    pigeon_mta/node.py STALE_AFTER), not when the lease ends."""
     state, _ = sinks["a.test"]
     extra = '[delivery.destination."a.test"]\nconcurrency = 1\n'
     await queue_to(pool, org_id, "a.test", 1, local="hang-data")
     first = await start_node(
-        node_config(tmp_path / "a", db_url, "node-a", sinks, processes=1, extra=extra), 1
+        node_config(
+            tmp_path / "a", db_url, "node-a", sinks, processes=1, extra=extra, lease="300s"
+        ),
+        1,
     )
     try:
         await state.wait_for(lambda: bool(state.messages), 30)
@@ -334,16 +342,20 @@ async def test_a_node_killed_with_a_session_slot_blocks_its_destination_one_leas
         first.kill()
     killed = time.time()
     second = await start_node(
-        node_config(tmp_path / "b", db_url, "node-b", sinks, processes=1, extra=extra), 1
+        node_config(
+            tmp_path / "b", db_url, "node-b", sinks, processes=1, extra=extra, lease="300s"
+        ),
+        1,
     )
     try:
         await queue_to(pool, org_id, "a.test", 1, local="after")
-        await state.wait_for(lambda: any("after+" in m.rcpt_tos[0] for m in state.messages), 30)
+        await state.wait_for(lambda: any("after+" in m.rcpt_tos[0] for m in state.messages), 60)
     finally:
         assert await stop(second) == 0, second.output
     arrived = next(m.at for m in state.messages if "after+" in m.rcpt_tos[0])
-    # The lease is 5 s; then the next claim of the message handed back, and its transaction.
-    assert arrived - killed <= 5 + 1.5, arrived - killed
+    # Stale 30 s after its last heartbeat (at most 30 s after the kill); then the next claim of
+    # the message handed back, and its transaction.
+    assert arrived - killed <= STALE_AFTER + 3, arrived - killed
 
 
 async def test_a_budgeted_destination_delivers_everything_once_after_the_database_went_away(

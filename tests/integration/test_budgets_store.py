@@ -23,7 +23,7 @@ async def take(
     pool: asyncpg.Pool, holder: str, *requests: GrantRequest, lease: float = 60, quiet: float = 30
 ) -> dict[str, budgets.Grant]:
     return await budgets.take_grants(
-        pool, requests, holder=holder, lease=lease, horizon=60, step=0.5, quiet=quiet
+        pool, requests, holder=holder, lease=lease, horizon=60, step=0.5, quiet=quiet, stale=30
     )
 
 
@@ -131,6 +131,7 @@ async def test_callers_that_queue_for_the_row_never_get_more_than_the_rate(
                 horizon=60,
                 step=0.5,
                 quiet=30,
+                stale=30,
             )
             granted[i] += grant[KEY].tokens
             grants.append(grant[KEY].tokens)
@@ -149,3 +150,30 @@ async def test_callers_that_queue_for_the_row_never_get_more_than_the_rate(
     assert min(grants) >= 0, sorted(grants)[:5]  # never a negative grant
     assert sum(granted) <= rate * elapsed + 2, (sum(granted), elapsed)
     assert await pool.fetchval("SELECT tokens >= 0 FROM budget WHERE key = $1", KEY)
+
+
+async def test_the_slots_of_a_run_that_is_gone_are_free_before_their_lease_ends(
+    pool: asyncpg.Pool,
+) -> None:
+    """node-a's run r1 (its process 101, as engines name themselves) holds the destination's
+    only slot under a 5-minute lease. While r1's
+    heartbeat is fresh, nobody else gets a slot; once it is older than the staleness (a node
+    killed outright), or once another run took the name, the slot is free at the next take."""
+    await pool.execute("INSERT INTO node (name, run_id, host, pid) VALUES ('node-a', 'r1', 'h', 1)")
+    assert (await take(pool, "node-a/r1#101", request(slots=1, concurrency=1), lease=300))[
+        KEY
+    ].slots == 1
+    assert (await take(pool, "node-b/r9#202", request(slots=1, concurrency=1)))[KEY].slots == 0
+    await pool.execute("UPDATE node SET heartbeat_at = now() - interval '31 seconds'")
+    assert (await take(pool, "node-b/r9#202", request(slots=1, concurrency=1)))[KEY].slots == 1
+    assert (
+        await pool.fetchval("SELECT count(*) FROM budget_slot WHERE holder = 'node-a/r1#101'") == 0
+    )
+    # A new run of node-a (the name taken over) does not keep r1's slot either.
+    await pool.execute("DELETE FROM budget_slot")
+    await pool.execute("UPDATE node SET heartbeat_at = now()")
+    assert (await take(pool, "node-a/r1#101", request(slots=1, concurrency=1), lease=300))[
+        KEY
+    ].slots == 1
+    await pool.execute("UPDATE node SET run_id = 'r2'")
+    assert (await take(pool, "node-b/r9#202", request(slots=1, concurrency=1)))[KEY].slots == 1

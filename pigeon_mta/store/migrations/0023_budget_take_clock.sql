@@ -4,10 +4,19 @@
 -- and it moved refilled_at back, so the next caller was granted that stretch twice (1.95x and
 -- 5.5x the rate with 8 and 16 callers). The time is now read once the row is locked
 -- (clock_timestamp(), never before refilled_at), and used for every step of that budget.
-CREATE OR REPLACE FUNCTION budget_take(
+--
+-- A node killed outright held its session slots until their lease ran out (delivery.lease, 5 min
+-- by default). A slot whose holder (`<node>/<run>#<pid>`) is not its node's live run any more (another
+-- run took the name, it stopped, or its heartbeat is older than p_stale) is now dropped at once,
+-- as the lapsed ones are: a dead node frees its destinations within its heartbeat's staleness.
+DROP FUNCTION budget_take(text[], double precision[], integer[], double precision[], integer[],
+                          integer[], text, double precision, double precision, double precision,
+                          double precision);
+CREATE FUNCTION budget_take(
     p_keys text[], p_rates double precision[], p_concs integer[], p_bursts double precision[],
     p_tokens integer[], p_slots integer[], p_holder text, p_lease double precision,
-    p_horizon double precision, p_step double precision, p_quiet double precision
+    p_horizon double precision, p_step double precision, p_quiet double precision,
+    p_stale double precision
 ) RETURNS TABLE (key text, tokens integer, slots integer, held integer,
                  booked_from timestamptz, effective_rate double precision,
                  effective_concurrency integer, held_until timestamptz)
@@ -76,7 +85,18 @@ BEGIN
         granted_slots := v.want_slots;
         mine := 0;
         IF b.effective_concurrency > 0 THEN
-            DELETE FROM budget_slot s WHERE s.key = v.key AND s.lease_until < t;
+            DELETE FROM budget_slot s
+            WHERE s.key = v.key
+              AND (s.lease_until < t
+                   -- a holder (`<node>/<run>#<pid>`) that is not its node's live run; one
+                   -- whose node has no row keeps its lease
+                   OR EXISTS (
+                       SELECT 1 FROM node n
+                       WHERE starts_with(s.holder, n.name || '/')
+                         AND NOT (split_part(substr(s.holder, length(n.name) + 2), '#', 1)
+                                      = n.run_id
+                                  AND n.stopped_at IS NULL
+                                  AND n.heartbeat_at >= t - make_interval(secs => p_stale))));
             SELECT coalesce(sum(s.slots) FILTER (WHERE s.holder <> p_holder), 0),
                    coalesce(sum(s.slots) FILTER (WHERE s.holder = p_holder), 0)
             INTO others, mine FROM budget_slot s WHERE s.key = v.key;
