@@ -29,7 +29,7 @@ from pigeon_mta.store import events as store_events
 from pigeon_mta.store import leases as store_leases
 from pigeon_mta.store import upkeep as store_upkeep
 from pigeon_mta.store import webhooks as store_webhooks
-from pigeon_mta.store.connect import is_transient
+from pigeon_mta.store.errors import is_outage
 
 # Logged under the name of the command it runs in: the name is a field of every log line.
 log = logging.getLogger("pigeon_mta.serve")
@@ -72,7 +72,7 @@ class Maintenance:
                     log.info("database reachable again")
                 self.healthy = True
             except Exception as exc:
-                if not is_transient(exc):
+                if not is_outage(exc):
                     # Sweeping, expiry and stats must outlive a bug in one round.
                     log.exception("queue maintenance round failed")
                 else:
@@ -97,7 +97,7 @@ class Maintenance:
         try:
             await task()
         except Exception as exc:
-            if is_transient(exc):
+            if is_outage(exc):
                 raise
             metrics.MAINTENANCE_FAILURES.labels(task=name).inc()
             log.exception("queue maintenance: %s failed; the round goes on", name)

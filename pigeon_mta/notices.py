@@ -40,7 +40,7 @@ from pigeon_mta.store import bounces as store_bounces
 from pigeon_mta.store import queue as store_queue
 from pigeon_mta.store import upkeep as store_upkeep
 from pigeon_mta.store.bounces import ReportedRecipient
-from pigeon_mta.store.connect import is_bad_input
+from pigeon_mta.store.errors import is_bad_input
 from pigeon_mta.store.executor import Executor, transaction
 from pigeon_mta.store.upkeep import ExpiredRecipient, LaneMaxAge
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from pigeon_mta.store.connect import is_bad_input
+from pigeon_mta.store.errors import is_bad_input
 
 log = logging.getLogger("pigeon_mta.api")
 

@@ -40,8 +40,9 @@ from pigeon_mta.ids import new_id
 from pigeon_mta.message import HeaderTooLarge
 from pigeon_mta.store import queue as store_queue
 from pigeon_mta.store.apikeys import ApiKey, auth_user_of
-from pigeon_mta.store.connect import DB_ERRORS, is_bad_input
+from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.store.duplicates import Duplicates
+from pigeon_mta.store.errors import is_bad_input
 from pigeon_mta.store.group_commit import GroupCommit
 from pigeon_mta.submission.fixups import Fixed, TooManyHops, Trace, apply_fixups
 from pigeon_mta.submission.lanes import choose_lane

@@ -5,14 +5,14 @@ the delivery log gets its records after the commit (the same events are in the d
 process's webhook sender offers each batch its free room, and gets the webhook events written
 within it after the commit, already claimed for it (webhooks/sender.py).
 
-What a failed record means decides what happens to its batch. While the database is away
-(`is_transient`) the batch is kept and tried again: dropping it would send the mail again once its
-leases ran out. Any other failure is about some result in it (a reply no DSN can carry, a value
-the database refuses), and the same batch would fail again for ever, holding every other outcome
-of the process with it. So the batch is split in halves until the result that fails is alone;
+What a failed record means decides what happens to its batch. A failure that is about something
+in it (`is_about_the_values`: a reply no DSN can carry, a value the database refuses) would fail
+again for ever, holding every other outcome of the process with it. So the batch is split in halves until the result that fails is alone;
 that one is recorded plain (outcome.plain_result: ASCII, bounded, its reason in the text), else
 without its DSN, else dropped with an error in the log; the rest of the batch is recorded as it
-is. A recorder whose results wait longer than `STALL_AFTER` without any being recorded counts
+is. Any other failure (the database away, a privilege revoked, a function missing) would fail
+every result alike: the batch is kept and tried again, since dropping it would send the mail again
+once its leases ran out. A recorder whose results wait longer than `STALL_AFTER` without any being recorded counts
 itself in `pigeon_recorders_stalled`, and the node is not ready (observability/health.py).
 """
 
@@ -34,7 +34,7 @@ from pigeon_mta.model import AttemptResult, Delivery
 from pigeon_mta.outbound.claims import Claims
 from pigeon_mta.outbound.outcome import apply_outcomes, plain_result
 from pigeon_mta.plain import plain_text
-from pigeon_mta.store.connect import is_transient
+from pigeon_mta.store.errors import is_about_the_values
 from pigeon_mta.store.webhooks import NO_OFFER, ClaimedEvent, Offer
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class Recorder:
             try:
                 await self.record(part)
             except Exception as exc:
-                if is_transient(exc):
+                if not is_about_the_values(exc):
                     return done, exc
                 if len(part) > 1:
                     middle = len(part) // 2
@@ -137,15 +137,15 @@ class Recorder:
                     continue
                 try:
                     await self._record_alone(part[0], exc)
-                except Exception as lost:  # only a transient error comes out of it
+                except Exception as lost:  # only an error of the database's comes out of it
                     return done, lost
             done += len(part)
         return done, None
 
     async def _record_alone(self, result: AttemptResult, exc: BaseException) -> None:
         """One result that failed on its own: recorded plain, else plain without its DSN and
-        suppression entry, else dropped (its lease runs out and it is tried again). Raises only a
-        transient database error."""
+        suppression entry, else dropped (its lease runs out and it is tried again). Raises only an
+        error that is not about the result (`is_about_the_values`)."""
         plain = plain_result(result, _why(exc))
         failure = exc
         for step, notices_too, instead in (
@@ -166,7 +166,7 @@ class Recorder:
                 await self.record([plain], notices_too=notices_too)
                 return
             except Exception as again:
-                if is_transient(again):
+                if not is_about_the_values(again):
                     raise
                 failure = again
         log.error(

@@ -12,46 +12,10 @@ import asyncpg
 from pigeon_mta.config import Settings
 from pigeon_mta.redaction import redact
 from pigeon_mta.store.embedded import EmbeddedError, start_embedded
+from pigeon_mta.store.errors import DB_ERRORS as DB_ERRORS  # where callers have found it
 from pigeon_mta.store.group_commit import MAX_COMMITS
 
 log = logging.getLogger(__name__)
-
-
-# What a database call raises when the server is down, restarting, read-only or slow: callers
-# answer 451, retry or wait, never crash. InternalClientError too: asyncpg raises it ("cannot switch
-# to state ...") when the server cuts a session in the middle of an operation, as a restart does.
-DB_ERRORS: tuple[type[BaseException], ...] = (
-    OSError,
-    asyncpg.PostgresError,
-    asyncpg.InterfaceError,
-    asyncpg.InternalClientError,
-    TimeoutError,
-)
-
-
-# SQLSTATE classes of a server that is away, restarting, overloaded or failing over: the same
-# statement may succeed later. Everything else it raises (bad data, class 22; a constraint, 23; a
-# program limit, 54; a bug in a statement, 42) fails again for the same values.
-_TRANSIENT_CLASSES = frozenset({"08", "40", "53", "55", "57", "58", "XX", "HV"})
-_READ_ONLY = "25006"  # read_only_sql_transaction: a primary that became a standby
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether a database call's error is about the database's state (down, restarting, read-only,
-    slow) rather than about the values it was given: only then is the same call worth trying again
-    as it is. asyncpg raises DataError for values it cannot even send (a lone surrogate, a str for
-    a timestamp), as PostgreSQL's class 22 does for values it cannot store (NUL, a date out of
-    range)."""
-    if isinstance(exc, asyncpg.PostgresError):
-        state = str(getattr(exc, "sqlstate", "") or "")
-        return state == _READ_ONLY or state[:2] in _TRANSIENT_CLASSES
-    return isinstance(exc, DB_ERRORS)
-
-
-def is_bad_input(exc: BaseException) -> bool:
-    """Whether a database call failed on the values it was given (SQLSTATE class 22, or asyncpg's
-    DataError for a value it could not encode): the caller's input, never an outage."""
-    return isinstance(exc, asyncpg.DataError | asyncpg.ProgramLimitExceededError)
 
 
 class DatabaseUnavailable(Exception):

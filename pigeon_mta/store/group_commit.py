@@ -33,6 +33,7 @@ from pigeon_mta.ids import new_ids
 from pigeon_mta.model import ClaimedRecipient, ClaimedRow, Envelope, Handoff
 from pigeon_mta.store import duplicates as store_duplicates
 from pigeon_mta.store.duplicates import Duplicates, Enqueued
+from pigeon_mta.store.errors import DB_ERRORS, is_about_the_values
 from pigeon_mta.store.queue import recipient_domain
 
 log = logging.getLogger(__name__)
@@ -192,9 +193,10 @@ class GroupCommit:
 
 
 def _worth_one_by_one(exc: BaseException) -> bool:
-    """A refusal of the data (of one message, perhaps) rather than an outage or a read-only
-    database, which would refuse each message alone just the same."""
-    return isinstance(exc, asyncpg.DataError | asyncpg.IntegrityConstraintViolationError)
+    """A refusal of the data (of one message, perhaps: a value, a constraint, a row its index
+    cannot hold) rather than an outage or a read-only database, which would refuse each message
+    alone just the same."""
+    return isinstance(exc, DB_ERRORS) and is_about_the_values(exc)
 
 
 def _settle(

@@ -32,7 +32,8 @@ from pigeon_mta import __version__, metrics
 from pigeon_mta.config import WebhookSettings
 from pigeon_mta.plain import plain_text
 from pigeon_mta.store import webhooks as store_webhooks
-from pigeon_mta.store.connect import DB_ERRORS, is_transient
+from pigeon_mta.store.connect import DB_ERRORS
+from pigeon_mta.store.errors import is_about_the_values
 from pigeon_mta.store.executor import Executor
 from pigeon_mta.store.webhooks import NO_OFFER, ClaimedEvent, EventResult, Offer
 from pigeon_mta.webhooks.signing import signed_headers
@@ -331,48 +332,62 @@ class WebhookSender:
         self._wake.set()
 
     async def _record(self) -> None:
-        """Record the outcomes gathered so far in one statement. If the database cannot be
+        """Record the outcomes gathered so far (`record_results`). If the database cannot be
         reached they wait for the next round (no new claim is made meanwhile, so they stay few);
-        should this process die first, their events are due again when their leases pass. Any
-        other failure is about some result in the batch: each is then recorded alone, and one
-        that fails alone is recorded with its error made plain, else left to its lease (sent
-        again: at least once), so that no result can stop the sender's record for ever."""
+        should this process die first, their events are due again when their leases pass."""
         results, self._results = self._results, []
         try:
-            await store_webhooks.record_event_results(self.pool, results)
-        except Exception as exc:
-            if is_transient(exc):
-                self._results = results + self._results
-                raise
-            log.error(
-                "webhook sender could not record %d result(s) (%s); recording them one by one",
-                len(results),
-                plain_text(f"{type(exc).__name__}: {exc}", 200),
-            )
-            await self._record_each(results)
+            await record_results(self.pool, results)
+        except RecordInterrupted as stopped:
+            self._results = [*stopped.unrecorded, *self._results]
+            raise stopped.error from None
 
-    async def _record_each(self, results: Sequence[EventResult]) -> None:
-        for i, result in enumerate(results):
+
+class RecordInterrupted(Exception):
+    """The database stopped a record part-way: what was not recorded, and why."""
+
+    def __init__(self, error: BaseException, unrecorded: Sequence[EventResult]) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.unrecorded = list(unrecorded)
+
+
+async def record_results(db: Executor, results: Sequence[EventResult]) -> None:
+    """Record webhook results in one statement. A failure that is about some result in it
+    (`is_about_the_values`) would fail again for ever and stop every record of the sender: each
+    result is then recorded alone, one that fails alone is recorded with its error made plain,
+    and one that still fails is left to its lease (sent again: at least once). Any other failure
+    raises RecordInterrupted with the results not recorded."""
+    try:
+        await store_webhooks.record_event_results(db, results)
+        return
+    except Exception as exc:
+        if not is_about_the_values(exc):
+            raise RecordInterrupted(exc, results) from exc
+        log.error(
+            "webhook sender could not record %d result(s) (%s); recording them one by one",
+            len(results),
+            plain_text(f"{type(exc).__name__}: {exc}", 200),
+        )
+    for i, result in enumerate(results):
+        plain = dataclasses.replace(
+            result, error=None if result.error is None else plain_text(result.error, 500)
+        )
+        failure: BaseException | None = None
+        for attempt in (result, plain):
             try:
-                await store_webhooks.record_event_results(self.pool, [result])
-                continue
+                await store_webhooks.record_event_results(db, [attempt])
+                failure = None
+                break
             except Exception as exc:
-                if is_transient(exc):
-                    self._results = [*results[i:], *self._results]
-                    raise
-            plain = dataclasses.replace(
-                result, error=None if result.error is None else plain_text(result.error, 500)
+                if not is_about_the_values(exc):
+                    raise RecordInterrupted(exc, results[i:]) from exc
+                failure = exc
+        if failure is not None:
+            log.error(
+                "webhook %s: the result of event %s cannot be recorded (%s); it is sent again "
+                "when its lease runs out",
+                result.event.webhook_id,
+                result.event.id,
+                plain_text(f"{type(failure).__name__}: {failure}", 200),
             )
-            try:
-                await store_webhooks.record_event_results(self.pool, [plain])
-            except Exception as exc:
-                if is_transient(exc):
-                    self._results = [*results[i:], *self._results]
-                    raise
-                log.error(
-                    "webhook %s: the result of event %s cannot be recorded (%s); it is sent "
-                    "again when its lease runs out",
-                    result.event.webhook_id,
-                    result.event.id,
-                    plain_text(f"{type(exc).__name__}: {exc}", 200),
-                )

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from typing import Literal
 
 import asyncpg
@@ -21,7 +23,7 @@ from pigeon_mta.outbound.recorder import Recorder
 from pigeon_mta.store import leases
 from pigeon_mta.store import webhooks as store_webhooks
 from pigeon_mta.store.connect import DB_ERRORS
-from pigeon_mta.webhooks.sender import WebhookSender
+from pigeon_mta.webhooks.sender import RecordInterrupted, WebhookSender, record_results
 from pigeon_mta.webhooks.signing import new_secret
 from tests.integration.test_bounces import claim_all, result
 from tests.integration.test_webhook_outbox import send
@@ -239,3 +241,34 @@ async def test_a_hostile_endpoints_reply_never_stops_the_senders_record(
             assert s["state"] == "pending" and s["attempts"] == 1
             assert s["last_error"] == "HTTP 500 Bad \\udcff\\udcfe reason"
     assert len(receiver.requests) == 3  # each once: recorded, not sent again after a lease
+
+
+async def test_a_result_the_database_refuses_costs_that_result_not_the_record(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """Three claimed events' results, one with a status no integer column holds: the other two
+    are recorded, the third is left to its lease (its event is sent again), and nothing raises.
+    A database that is away interrupts the record with what it did not record."""
+    await store_webhooks.add_webhook(pool, org_id, "http://127.0.0.1:9/h", ["delivered"], "s")
+    await leases.record_attempts(pool, await delivered(pool, org_id, 3))
+    async with pool.acquire() as conn:
+        claimed = await store_webhooks.claim_due_events(conn, room=8, busy={}, lease=60)
+    later = datetime.now(UTC) + timedelta(seconds=60)
+    results = [store_webhooks.EventResult(e, "pending", 500, "HTTP 500", later) for e in claimed]
+    results[1] = dataclasses.replace(results[1], status=10**12)
+
+    await record_results(pool, results)
+
+    errors = {
+        r["id"]: r["last_error"]
+        for r in await pool.fetch("SELECT id, last_error FROM webhook_event")
+    }
+    assert errors[claimed[0].id] == errors[claimed[2].id] == "HTTP 500"
+    assert errors[claimed[1].id] is None  # not recorded: due again when its lease runs out
+    away = await asyncpg.create_pool("postgresql://nobody@127.0.0.1:1/none", min_size=0, max_size=1)
+    try:
+        with pytest.raises(RecordInterrupted) as interrupted:
+            await record_results(away, results)
+    finally:
+        await away.close()
+    assert interrupted.value.unrecorded == results
