@@ -373,11 +373,16 @@ def _field(name: str, value: str, *, utf8: bool = False) -> str:
     return "\r\n".join(lines) + "\r\n"
 
 
+# Characters of a wrapped line of the human part: UTF-8 takes at most 4 octets a character, so a
+# line of this many is within RFC 5322's 998 octets whatever the text.
+_WRAP_AT = 240
+
+
 def _wrap(text: str) -> str:
     """Human text as CRLF lines no longer than 998 octets (RFC 5322 2.1.1)."""
     out: list[str] = []
     for line in text.split("\r\n"):
-        out.extend(textwrap.wrap(line, 500, break_long_words=True) or [""])
+        out.extend(textwrap.wrap(line, _WRAP_AT, break_long_words=True) or [""])
     return "\r\n".join(out) + "\r\n"
 
 

@@ -7,7 +7,9 @@ SMTP AUTH failures are (submission/auth.py, the same `limits.max_auth_failures` 
 `limits.auth_failure_window`, counted in the same table across every listener, process and node):
 past the limit, the address is answered 429 with Retry-After until its window ends, without a
 lookup, and the process remembers that in memory, so a flood of guesses costs no statement each.
-Only the first failure of an address in its window and its being throttled are logged.
+A key this process found valid within the window still gets through a throttled address: behind
+a proxy every client shares its address, and one client's wrong key must not lock the others
+out. Only the first failure of an address in its window and its being throttled are logged.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 
 import asyncpg
 from aiohttp import web
@@ -36,8 +39,10 @@ log = logging.getLogger("pigeon_mta.api")
 _MAX_KEY = 200
 # Where the key found for a request is kept, once asked for (before its body is read).
 REQUEST_KEY = web.RequestKey("pigeon.api_key", ApiKey)
-# Client addresses a process remembers as throttled, at most (the oldest are forgotten first).
-_MAX_THROTTLED = 10_000
+# Throttled client addresses and trusted key hashes a process remembers, at most each (the oldest
+# are forgotten first).
+_MAX_REMEMBERED = 10_000
+_T = TypeVar("_T")
 
 
 class Authenticator:
@@ -58,6 +63,8 @@ class Authenticator:
         self._found: Memo[bytes, ApiKey | None] = Memo(cache, clock=clock)
         # Client addresses past their failure limit, until when (on `clock`).
         self._throttled: OrderedDict[str, float] = OrderedDict()
+        # Hashes of keys found valid, until when they pass a throttled address (on `clock`).
+        self._trusted: OrderedDict[bytes, float] = OrderedDict()
 
     async def find(self, key: str) -> ApiKey | None:
         """The unrevoked key `key` is, or None (raises on database trouble)."""
@@ -72,7 +79,6 @@ class Authenticator:
         if REQUEST_KEY in request:
             return request[REQUEST_KEY]
         address = _client_address(request)
-        self._refuse_if_throttled(address)
         header = request.headers.get("Authorization")
         if header is None:
             raise Problem(
@@ -85,7 +91,9 @@ class Authenticator:
         if scheme.lower() != "bearer" or not key:
             raise Problem(problems.UNAUTHORIZED, "The Authorization header must be 'Bearer KEY'.")
         found = None
-        if len(key) <= _MAX_KEY and key.isascii():
+        usable = len(key) <= _MAX_KEY and key.isascii()
+        self._refuse_if_throttled(address, store_apikeys.key_hash(key) if usable else b"")
+        if usable:
             try:
                 found = await self.find(key)
             except DB_ERRORS as exc:
@@ -97,18 +105,28 @@ class Authenticator:
                 problems.UNAUTHORIZED,
                 "The API key in the Authorization header is not valid or has been revoked.",
             )
+        self._remember(self._trusted, store_apikeys.key_hash(key), self.limits.auth_failure_window)
         request[REQUEST_KEY] = found
         return found
 
-    def _refuse_if_throttled(self, address: str) -> None:
+    def _refuse_if_throttled(self, address: str, key_hash: bytes) -> None:
         until = self._throttled.get(address)
         if until is None:
             return
-        left = until - self.clock()
+        now = self.clock()
+        left = until - now
         if left <= 0:
             del self._throttled[address]
             return
+        if self._trusted.get(key_hash, 0.0) > now:
+            return  # a key found valid lately: another client behind the same address
         raise _throttled(left)
+
+    def _remember(self, memory: OrderedDict[_T, float], item: _T, seconds: float) -> None:
+        memory[item] = self.clock() + seconds
+        memory.move_to_end(item)
+        while len(memory) > _MAX_REMEMBERED:
+            memory.popitem(last=False)
 
     async def _failed(self, address: str) -> None:
         """Count a wrong key of `address`; raises the 429 when that puts it past the limit."""
@@ -139,10 +157,7 @@ class Authenticator:
                     window,
                     limit,
                 )
-            self._throttled[address] = self.clock() + window
-            self._throttled.move_to_end(address)
-            while len(self._throttled) > _MAX_THROTTLED:
-                self._throttled.popitem(last=False)
+            self._remember(self._throttled, address, window)
             raise _throttled(window)
 
 

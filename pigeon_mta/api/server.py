@@ -127,6 +127,13 @@ def _body_after_key(
         if not request.body_exists or request.match_info.http_exception is not None:
             return await handler(request)
         await authenticate(request)
+        if request.content_length is not None and request.content_length > largest:
+            # Refused unread (the connection is closed): aiohttp would read it up to its limit.
+            raise Problem(
+                problems.TOO_LARGE,
+                f"The request body is {request.content_length} bytes; the server reads at most "
+                f"{largest} (twice limits.max_message_size and a MiB).",
+            )
         size = request.content_length if request.content_length is not None else largest
         try:
             async with room.reserve(size, within=read_timeout):

@@ -37,7 +37,7 @@ Stage = Literal["route", "connect", "auth", "mail", "rcpt", "data", "dot"]
 
 # An enhanced status code at the start of a reply's text (RFC 3463 section 2; RFC 2034 section 4
 # puts one space between it and the text). ASCII digits only (plain.py).
-_ENHANCED = re.compile(ENHANCED_CODE.pattern + r"(?:[ \t]|$)", re.ASCII)
+_ENHANCED = re.compile(ENHANCED_CODE.pattern + r"(?:[ \t\r\n]|$)", re.ASCII)
 
 # How much of a reply's text is read to classify it. The words that tell a reason come first
 # (the enhanced code, "user unknown", "rate limited"); a hostile server's 32 KB reply is not worth
@@ -65,7 +65,7 @@ def split_enhanced_code(text: str) -> tuple[str | None, str]:
     """The enhanced status code that `text` starts with (None when it has none), and the rest."""
     match = _ENHANCED.match(text)
     if match:
-        return f"{match[1]}.{match[2]}.{match[3]}", text[match.end() :].lstrip(" \t")
+        return f"{match[1]}.{match[2]}.{match[3]}", text[match.end() :].lstrip(" \t\r\n")
     return None, text
 
 

@@ -37,7 +37,7 @@ from pigeon_mta.outbound.limits import (
     policy_for,
 )
 from pigeon_mta.outbound.mx import Route, RouteFailure, Router
-from pigeon_mta.outbound.outcome import judge
+from pigeon_mta.outbound.outcome import RATE_LIMIT_IS_TEMPORARY, judge
 from pigeon_mta.outbound.pool import ConnectionPool, NotConnected
 from pigeon_mta.signer import KeysUnavailable
 
@@ -266,10 +266,13 @@ class Courier:
 
 
 def throttling_reply(results: Sequence[AttemptResult]) -> Reply | None:
-    """The first temporary rate-limited reply among a transaction's results: the destination's
-    server asking for less."""
+    """The first rate-limited reply among a transaction's results that defers (a 4xx, or a 5xx
+    about our rate, outcome.rate_limits_are_temporary): the destination's server asking for
+    less."""
     for result in results:
-        if result.category == Category.RATE_LIMITED and 400 <= result.reply.code < 500:
+        if result.category != Category.RATE_LIMITED:
+            continue
+        if 400 <= result.reply.code < 500 or RATE_LIMIT_IS_TEMPORARY in (result.rule or ""):
             return result.reply
     return None
 

@@ -5,7 +5,8 @@ The operator's lane comes first of these: the lane of the AUTH user (`pigeon-mta
 [[listener]]), else the default lane, "transactional". The message's X-Pigeon-Lane field
 (submission/fixups.py takes it out of the message; the API's `lane`) may move it to another lane
 as `[lanes] header` allows: "lower" (the default) only to a lane that weighs no more than the
-operator's, so that a sender cannot put its campaign in the lane of password resets; "any" to any
+operator's and sends no faster (a lane rate), so that a sender cannot put its campaign in the lane
+of password resets, nor out of the rate the operator gave it; "any" to any
 lane; "off" not at all (the field is removed and not read). A field the policy does not follow
 leaves the operator's lane, with a line in the log.
 
@@ -67,11 +68,11 @@ def choose_lane(
     asked = named[0]
     if asked not in lanes:
         return LaneChoice("", replies.UNKNOWN_LANE.format(lane=_cut(_printable(asked))))
-    if header == "lower" and lanes[asked].weight > _weight(lanes, operators):
+    if header == "lower" and asked != operators and not _no_more(lanes, asked, operators):
         return LaneChoice(
             operators,
-            overruled=f"X-Pigeon-Lane '{asked}' weighs more than the lane '{operators}' the "
-            "operator set (lanes.header = lower)",
+            overruled=f"X-Pigeon-Lane '{asked}' weighs more, or sends faster, than the lane "
+            f"'{operators}' the operator set (lanes.header = lower)",
         )
     return LaneChoice(asked)
 
@@ -86,9 +87,15 @@ def _operators_lane(
     return listener_lane or DEFAULT_LANE
 
 
-def _weight(lanes: Mapping[str, LaneSettings], name: str) -> float:
-    lane = lanes.get(name)
-    return lane.weight if lane is not None else 1.0
+def _no_more(lanes: Mapping[str, LaneSettings], asked: str, operators: str) -> bool:
+    """Whether lane `asked` gives no more than lane `operators`: no more weight, and no more
+    rate (a rate of 0 is none: unlimited), so that a sender the operator slowed cannot name a
+    lane of the same weight without the limit."""
+    mine = lanes.get(operators, LaneSettings())
+    other = lanes[asked]
+    if other.weight > mine.weight:
+        return False
+    return mine.rate == 0 or 0 < other.rate <= mine.rate
 
 
 _warned: set[tuple[str, str]] = set()

@@ -27,6 +27,7 @@ from tests.integration.api_helpers import Api, running_api
 from tests.integration.test_api_requests import GOOD, post
 
 BIG = 45 * 1024 * 1024
+OTHER = {**GOOD, "from": "Shop <shop@other.example>"}
 
 
 @pytest.fixture
@@ -120,6 +121,8 @@ async def test_wrong_keys_are_throttled_per_address_and_logged_once(
     settings = Settings(limits=LimitsSettings(max_auth_failures=5))
     caplog.set_level(logging.INFO, logger="pigeon_mta.api")
     async with running_api(pool, settings) as api:
+        # A client of the same address (behind one proxy) whose key this process has found.
+        assert (await post(api, OTHER, key="other"))[0] == 202
         statuses = []
         for i in range(30):
             status, headers, body = await post(api, GOOD, key=f"pk_guess_{i:04d}")
@@ -127,15 +130,17 @@ async def test_wrong_keys_are_throttled_per_address_and_logged_once(
         assert statuses == [401] * 5 + [429] * 25
         assert int(headers["Retry-After"]) > 500  # the rest of limits.auth_failure_window
         assert json.loads(body)["type"] == TYPE_PREFIX + "too-many-key-failures"
-        # The address is refused before its key is looked at: the right key too, as SMTP AUTH.
+        # The address is refused before its key is looked at: a right key too, as SMTP AUTH,
+        # unless this process found that key valid within the window.
         assert (await post(api, GOOD))[0] == 429
+        assert (await post(api, OTHER, key="other"))[0] == 202
     # Counted where SMTP AUTH failures are, once each until the limit was passed, then no more.
     rows = await pool.fetch("SELECT listener FROM auth_failure")
     assert [r["listener"] for r in rows] == ["api"] * 6
     messages = [r.getMessage() for r in caplog.records]
     assert sum("unknown or revoked key" in m for m in messages) == 1
     assert sum("throttled" in m for m in messages) == 1
-    assert await pool.fetchval("SELECT count(*) FROM message") == 0
+    assert await pool.fetchval("SELECT count(*) FROM message") == 2
 
 
 @pytest.mark.parametrize(
@@ -245,3 +250,13 @@ def test_a_value_the_database_refuses_is_422_and_an_outage_503() -> None:
         asyncpg.CannotConnectNowError("starting"), "it was not done", "test"
     )
     assert away.kind is problems.DATABASE_UNAVAILABLE and away.retry_after
+
+
+async def test_a_body_over_what_the_server_reads_is_refused_unread(api: Api) -> None:
+    head = (
+        f"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {api.key}\r\nContent-Length: {10**12}\r\n\r\n"
+    )
+    answer, closed = await _head_only(api, head)
+    assert answer.startswith(b"HTTP/1.1 413 ") and closed
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["type"] == TYPE_PREFIX + "too-large"

@@ -213,3 +213,26 @@ def test_non_ascii_original_headers_travel_as_8bit() -> None:
     (headers,) = [p for p in parse(env).walk() if p.get_content_type() == "text/rfc822-headers"]
     assert headers["Content-Transfer-Encoding"] == "8bit"
     assert "Grüße".encode() in env.body
+
+
+def test_no_line_passes_998_octets_whatever_the_text_is_written_in() -> None:
+    """Four-octet characters (an emoji reply, an emoji Message-ID) wrapped by characters made
+    lines of 2,000 octets; a word of 8,000 ASCII characters made one of 8,001."""
+    emoji = "\U0001f600" * 600
+    env = build_bounce(
+        OriginalMessage(
+            queue_id=uuid.uuid4(),
+            org_id=uuid.uuid4(),
+            sender="alice@example.com",
+            received_at=datetime.now(UTC),
+            header_message_id=emoji + "@example.com",
+            headers=b"Subject: x\r\n",
+        ),
+        [
+            RecipientReport("bob@example.net", Reply(550, "5.1.1", emoji)),
+            RecipientReport("carol@example.net", Reply(550, "5.1.1", "y" * 8000)),
+        ],
+        hostname=HOST,
+    )
+    assert env is not None
+    assert max(len(line) for line in env.body.split(b"\r\n")) <= 998

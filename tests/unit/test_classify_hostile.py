@@ -74,6 +74,8 @@ def test_an_enhanced_code_is_ascii_digits_and_a_space(text: str) -> None:
 def test_a_well_formed_code_is_split_off() -> None:
     assert split_enhanced_code("5.1.1 User unknown") == ("5.1.1", "User unknown")
     assert split_enhanced_code("4.7.28\tslow down") == ("4.7.28", "slow down")
+    # aiosmtplib joins a multi-line reply's lines with "\n": a first line of the code alone
+    assert split_enhanced_code("5.1.1\nuser unknown") == ("5.1.1", "user unknown")
 
 
 def test_a_stated_delay_is_ascii_digits() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import uuid
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -147,3 +148,46 @@ def test_a_permanent_reply_that_says_rate_limit_defers(reply: Reply) -> None:
 def test_a_permanent_reply_about_the_recipient_still_bounces() -> None:
     outcome, _category, rule, _next = judged(Reply(550, "5.1.1", "user unknown"), "rcpt")
     assert outcome == B and rule is not None and "rate-limit" not in rule
+
+
+def test_a_mailbox_code_keeps_a_rate_worded_reply_a_bounce() -> None:
+    """'too many messages' from a full mailbox (5.2.2) is about the recipient."""
+    outcome, _category, rule, _next = judged(
+        Reply(552, "5.2.2", "Mailbox full: too many messages in the mailbox"), "dot"
+    )
+    assert outcome == B and rule is not None and "rate-limit-is-temporary" not in rule
+
+
+def test_a_deferred_5xx_rate_limit_is_a_throttling_reply_for_the_budget() -> None:
+    from pigeon_mta.outbound.courier import throttling_reply
+
+    recipient = ClaimedRecipient(
+        id=uuid.uuid4(), address="b@example.net", attempts=1, queued_at=NOW
+    )
+    delivery = Delivery(
+        message_id=uuid.uuid4(),
+        org_id=uuid.uuid4(),
+        sender="a@example.com",
+        domain="example.net",
+        header_message_id=None,
+        received_at=NOW,
+        body=b"",
+        recipients=(recipient,),
+    )
+
+    def results(reply: Reply) -> list[Any]:
+        return judge(
+            delivery,
+            [RecipientResult(recipient, "rcpt", reply)],
+            peer=PEER,
+            duration=0.1,
+            started_at=NOW,
+            now=NOW,
+            settings=SETTINGS,
+            rng=random.Random(1),
+        )
+
+    quota = Reply(550, "5.7.1", "Daily sending quota exceeded")
+    assert throttling_reply(results(quota)) == quota
+    assert throttling_reply(results(Reply(550, "5.1.1", "user unknown"))) is None
+    assert throttling_reply(results(Reply(552, None, "too many recipients"))) is None

@@ -16,7 +16,9 @@ CREATE FUNCTION budget_take(
     p_keys text[], p_rates double precision[], p_concs integer[], p_bursts double precision[],
     p_tokens integer[], p_slots integer[], p_holder text, p_lease double precision,
     p_horizon double precision, p_step double precision, p_quiet double precision,
-    p_stale double precision
+    -- A default, so that nodes of the previous version, which call it with eleven arguments,
+    -- keep working while a cluster is upgraded one node at a time (deploy/README.md).
+    p_stale double precision DEFAULT 30
 ) RETURNS TABLE (key text, tokens integer, slots integer, held integer,
                  booked_from timestamptz, effective_rate double precision,
                  effective_concurrency integer, held_until timestamptz)
