@@ -14,6 +14,7 @@ import random
 import string
 import uuid
 from collections.abc import Iterator
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
@@ -210,3 +211,36 @@ async def test_a_recorder_without_its_database_is_stalled_and_the_node_not_ready
         recorder.finish()
         await asyncio.wait_for(running, 30)
         await record_pool.close()
+
+
+async def test_an_error_every_result_meets_keeps_the_batch_instead_of_dropping_it(
+    admin_url: str, db_url: str, pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """A record pool whose role may not write the queue (a grant revoked, 42501): every result
+    fails alike, and is nothing about the result. The batch is kept for a retry, none of it
+    split, recorded plain or dropped (dropping would send the mail again after the leases)."""
+    await bulk_queue(pool, org_id, messages=4)
+    deliveries = await claim(pool, owner=OWNER, lease=300, batch=4)
+    role = f"pigeon_norights_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(admin_url)
+    await admin.execute(f"CREATE ROLE \"{role}\" LOGIN PASSWORD 'no-rights'")
+    parts = urlsplit(db_url)
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+    netloc = f"{role}:no-rights@{host}" + (f":{parts.port}" if parts.port else "")
+    user_url = urlunsplit(parts._replace(netloc=netloc))
+    record_pool = await asyncpg.create_pool(user_url, min_size=0, max_size=1)
+    assert record_pool is not None
+    claims = Claims(pool, owner=OWNER, lease=300)
+    claims.hold(deliveries, asyncio.get_running_loop().time())
+    recorder = Recorder(record_pool, Settings(), claims, DeliveryLog.open(""))
+    before = {s: failures(s) for s in metrics.RECORD_FAILURE_STEPS}
+    try:
+        done, error = await recorder.record_isolating(results_for(deliveries, Outcome.DELIVERED))
+    finally:
+        await record_pool.close()
+        await admin.execute(f'DROP ROLE "{role}"')
+        await admin.close()
+    assert done == 0 and isinstance(error, asyncpg.InsufficientPrivilegeError)
+    assert {s: failures(s) for s in metrics.RECORD_FAILURE_STEPS} == before
+    assert await pool.fetchval("SELECT count(*) FROM attempt") == 0
+    assert await pool.fetchval("SELECT count(*) FROM recipient WHERE status = 'delivering'") == 4
