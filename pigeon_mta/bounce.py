@@ -355,7 +355,7 @@ def _field(name: str, value: str, *, utf8: bool = False) -> str:
     if utf8:
         value = _one_line(value).encode("utf-8", "replace").decode("utf-8")
     else:
-        value = plain_text(value, len(value) * 10 + 10)
+        value = plain_text(value, None)
     words = [
         word[i : i + _LONGEST_WORD]
         for word in value.split(" ")

@@ -84,16 +84,12 @@ class Maintenance:
 
     async def sweep_once(self) -> None:
         """One round of every task; a database that is away stops it (raised)."""
-        for task in (
-            self._requeue_lost_leases,
-            self._expire,
-            self._warn_delayed,
-            self._purge,
-        ):
-            await self._task(task)
+        tasks = (self._requeue_lost_leases, self._expire, self._warn_delayed, self._purge)
+        # Named as pigeon_maintenance_failures_total{task} names them (created at 0 at start).
+        for name, task in zip(metrics.MAINTENANCE_TASKS, tasks, strict=True):
+            await self._task(name, task)
 
-    async def _task(self, task: Callable[[], Awaitable[Any]]) -> None:
-        name = task.__name__.lstrip("_")
+    async def _task(self, name: str, task: Callable[[], Awaitable[Any]]) -> None:
         try:
             await task()
         except Exception as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -113,9 +114,17 @@ def storable_text(text: str | None) -> str | None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-        text = text.encode("utf-8", "replace").decode("utf-8")
+        try:
+            text = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        except UnicodeEncodeError:
+            # Surrogates that stand for no byte (JSON's "\\ud800", not aiosmtplib's): each one
+            # becomes U+FFFD below.
+            pass
+        text = _SURROGATES.sub("\ufffd", text)
     return text
+
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from pigeon_mta.bounce import (
 from pigeon_mta.ids import new_id
 from pigeon_mta.metrics import DSN_FAILURES
 from pigeon_mta.model import Envelope, Status
-from pigeon_mta.plain import plain_text
+from pigeon_mta.plain import plain_error, plain_text
 from pigeon_mta.store import bounces as store_bounces
 from pigeon_mta.store import queue as store_queue
 from pigeon_mta.store import upkeep as store_upkeep
@@ -171,7 +171,7 @@ def _built(
             log.error(
                 "could not build the DSN for message %s (%s); %s",
                 original.queue_id,
-                plain_text(f"{type(exc).__name__}: {exc}", 200),
+                plain_error(exc),
                 instead,
                 exc_info=exc,
             )
@@ -221,7 +221,7 @@ def _left_out(dsn: tuple[uuid.UUID, Envelope], exc: BaseException) -> None:
         "the database refused the DSN %s to <%s> (%s): its sender is not told",
         queue_id,
         plain_text(envelope.recipients[0], 100),
-        plain_text(f"{type(exc).__name__}: {exc}", 200),
+        plain_error(exc),
     )
     DSN_FAILURES.labels(step="refused").inc()
 

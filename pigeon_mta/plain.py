@@ -30,10 +30,17 @@ def is_enhanced_code(text: str | None) -> bool:
     return text is not None and ENHANCED_CODE.fullmatch(text) is not None
 
 
-def plain_text(text: str, limit: int = PLAIN_TEXT_LIMIT) -> str:
-    """`text` as one line of printable US-ASCII of at most `limit` characters: control characters
-    become spaces, runs of white space one space, anything beyond ASCII a backslash escape
-    (`\\u0661`), and what is left over the limit is cut, marked with "..."."""
+def plain_text(text: str, limit: int | None = PLAIN_TEXT_LIMIT) -> str:
+    """`text` as one line of printable US-ASCII of at most `limit` characters (None: any):
+    control characters become spaces, runs of white space one space, anything beyond ASCII a
+    backslash escape (`\\u0661`), and what is left over the limit is cut, marked with "..."."""
     text = " ".join(_CONTROLS.sub(" ", text).split())
     text = text.encode("ascii", "backslashreplace").decode("ascii")
-    return text if len(text) <= limit else text[: max(0, limit - 3)] + "..."
+    if limit is None or len(text) <= limit:
+        return text
+    return text[: max(0, limit - 3)] + "..."
+
+
+def plain_error(exc: BaseException, limit: int = 200) -> str:
+    """An exception as one plain line for a log or a recorded text: its type and its message."""
+    return plain_text(f"{type(exc).__name__}: {exc}", limit)

@@ -92,7 +92,8 @@ class Authenticator:
             raise Problem(problems.UNAUTHORIZED, "The Authorization header must be 'Bearer KEY'.")
         found = None
         usable = len(key) <= _MAX_KEY and key.isascii()
-        self._refuse_if_throttled(address, store_apikeys.key_hash(key) if usable else b"")
+        hashed = store_apikeys.key_hash(key) if usable else b""
+        self._refuse_if_throttled(address, hashed)
         if usable:
             try:
                 found = await self.find(key)
@@ -105,7 +106,7 @@ class Authenticator:
                 problems.UNAUTHORIZED,
                 "The API key in the Authorization header is not valid or has been revoked.",
             )
-        self._remember(self._trusted, store_apikeys.key_hash(key), self.limits.auth_failure_window)
+        self._remember(self._trusted, hashed, self.limits.auth_failure_window)
         request[REQUEST_KEY] = found
         return found
 

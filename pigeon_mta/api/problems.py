@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from pigeon_mta.model import storable_text
 from pigeon_mta.store.errors import is_bad_input
 
 log = logging.getLogger("pigeon_mta.api")
@@ -156,11 +157,5 @@ def database_error(exc: BaseException, consequence: str, who: str) -> Problem:
 
 def unstorable(text: str) -> bool:
     """Whether `text` holds what PostgreSQL's text cannot: a NUL, or an unpaired surrogate
-    (JSON's "\\ud800" decodes to one)."""
-    if "\x00" in text:
-        return True
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
+    (JSON's "\\ud800" decodes to one): what `model.storable_text` would change."""
+    return storable_text(text) != text

@@ -34,6 +34,7 @@ from pigeon_mta.api.suppressions import SuppressionHandler
 from pigeon_mta.config import API_LISTENER, Settings
 from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.metrics import LISTENERS_BOUND
+from pigeon_mta.plain import plain_text
 from pigeon_mta.store.group_commit import GroupCommit
 from pigeon_mta.web import WebServer
 
@@ -195,15 +196,10 @@ async def _storable_parameters(request: web.Request, handler: Handler) -> web.St
         if problems.unstorable(name) or problems.unstorable(value):
             raise Problem(
                 problems.INVALID_VALUE,
-                f"The parameter '{_printable(name)}' holds a NUL character or an unpaired "
+                f"The parameter '{plain_text(name, 40)}' holds a NUL character or an unpaired "
                 "surrogate, which the server cannot store or look up.",
             )
     return await handler(request)
-
-
-def _printable(text: str, limit: int = 40) -> str:
-    text = "".join(c if c.isprintable() and not problems.unstorable(c) else "?" for c in text)
-    return text[:limit]
 
 
 async def _openapi(_request: web.Request) -> web.Response:

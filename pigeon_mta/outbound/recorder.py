@@ -33,7 +33,7 @@ from pigeon_mta.metrics import DELIVERIES, RECORD_FAILURES, RECORDER_PENDING, RE
 from pigeon_mta.model import AttemptResult, Delivery
 from pigeon_mta.outbound.claims import Claims
 from pigeon_mta.outbound.outcome import apply_outcomes, plain_result
-from pigeon_mta.plain import plain_text
+from pigeon_mta.plain import plain_error, plain_text
 from pigeon_mta.store.errors import is_about_the_values
 from pigeon_mta.store.webhooks import NO_OFFER, ClaimedEvent, Offer
 
@@ -146,7 +146,7 @@ class Recorder:
         """One result that failed on its own: recorded plain, else plain without its DSN and
         suppression entry, else dropped (its lease runs out and it is tried again). Raises only an
         error that is not about the result (`is_about_the_values`)."""
-        plain = plain_result(result, _why(exc))
+        plain = plain_result(result, plain_error(exc))
         failure = exc
         for step, notices_too, instead in (
             ("isolated", True, "recording it plain"),
@@ -157,7 +157,7 @@ class Recorder:
                 result.recipient_id,
                 result.attempt,
                 result.outcome,
-                _why(failure),
+                plain_error(failure),
                 instead,
                 exc_info=failure,
             )
@@ -173,7 +173,7 @@ class Recorder:
             "could not record the outcome of recipient %s at all (%s): dropped; its lease runs "
             "out and it is tried again (a possible duplicate)",
             result.recipient_id,
-            _why(failure),
+            plain_error(failure),
             exc_info=failure,
         )
         RECORD_FAILURES.labels(step="dropped").inc()
@@ -308,7 +308,3 @@ class Recorder:
     def pending(self) -> tuple[AttemptResult, ...]:
         """The results waiting to be recorded."""
         return tuple(self._pending)
-
-
-def _why(exc: BaseException) -> str:
-    return plain_text(f"{type(exc).__name__}: {exc}", 200)

@@ -30,7 +30,7 @@ import asyncpg
 
 from pigeon_mta import __version__, metrics
 from pigeon_mta.config import WebhookSettings
-from pigeon_mta.plain import plain_text
+from pigeon_mta.plain import plain_error, plain_text
 from pigeon_mta.store import webhooks as store_webhooks
 from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.store.errors import is_about_the_values
@@ -97,7 +97,7 @@ async def post_event(
         timeout = session.timeout.total
         return HttpReply(None, f"no reply within {timeout:g}s")
     except (aiohttp.ClientError, ValueError, OSError) as exc:
-        return HttpReply(None, plain_text(f"{type(exc).__name__}: {exc}", 500))
+        return HttpReply(None, plain_error(exc, 500))
 
 
 def retry_delay(
@@ -367,7 +367,7 @@ async def record_results(db: Executor, results: Sequence[EventResult]) -> None:
         log.error(
             "webhook sender could not record %d result(s) (%s); recording them one by one",
             len(results),
-            plain_text(f"{type(exc).__name__}: {exc}", 200),
+            plain_error(exc),
         )
     for i, result in enumerate(results):
         plain = dataclasses.replace(
@@ -389,5 +389,5 @@ async def record_results(db: Executor, results: Sequence[EventResult]) -> None:
                 "when its lease runs out",
                 result.event.webhook_id,
                 result.event.id,
-                plain_text(f"{type(failure).__name__}: {failure}", 200),
+                plain_error(failure),
             )
