@@ -17,7 +17,7 @@ import asyncpg
 from tests.conftest import free_port
 from tests.e2e.test_outbound_engine import start_engine
 from tests.integration.outbound_helpers import send, wait_final
-from tests.integration.test_poison_outcomes import hostile_server
+from tests.peers.hostile_mx import hostile_server
 
 
 async def test_a_poison_reply_stops_no_outcome_and_a_restart_sends_nothing_again(

@@ -1,11 +1,11 @@
 """Replies that are not clean UTF-8 are recorded, never poison the engine's record step.
 
-engine --SMTP (relayhost)--> raw server on 127.0.0.2:<p> answering RCPT with Latin-1 bytes + NUL
+engine --SMTP (relayhost)--> HostileMx 127.0.0.2:<p> (tests/peers/hostile_mx.py): RCPT to latin1@
+                              answered with Latin-1 bytes and a NUL
 """
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 import asyncpg
@@ -14,43 +14,24 @@ from pigeon_mta.config import DeliverySettings, Duration, ServerSettings, Settin
 from pigeon_mta.model import Reply, storable_text
 from tests.conftest import free_port
 from tests.integration.outbound_helpers import running_engine, send, wait_final
+from tests.peers.hostile_mx import hostile_server
 
 
 def test_storable_text() -> None:
     assert storable_text("Empf\udce4nger\x00 unbekannt") == "Empf\ufffdnger unbekannt"
     assert storable_text("plain") == "plain"
+    # A surrogate that stands for no byte (JSON's "\\ud800") is replaced too, never raised on.
+    assert storable_text("a\ud800b") == "a\ufffdb"
     assert storable_text(None) is None
     reply = Reply(550, "5.1.1", "caf\udce9")
     assert reply.storable().text == "caf\ufffd"
-
-
-async def hostile_server(host: str, port: int) -> asyncio.Server:
-    async def session(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"220 hostile.test ESMTP\r\n")
-        while line := await reader.readline():
-            verb = line[:4].upper()
-            if verb == b"EHLO" or verb == b"HELO":
-                writer.write(b"250 hostile.test\r\n")
-            elif verb == b"MAIL":
-                writer.write(b"250 2.1.0 ok\r\n")
-            elif verb == b"RCPT":
-                writer.write(b"550 5.1.1 Empf\xe4nger unbekannt\x00 (user unknown)\r\n")
-            elif verb == b"QUIT":
-                writer.write(b"221 bye\r\n")
-                break
-            else:
-                writer.write(b"250 ok\r\n")
-            await writer.drain()
-        writer.close()
-
-    return await asyncio.start_server(session, host, port)
 
 
 async def test_a_latin1_reply_with_a_nul_is_recorded_and_the_engine_keeps_going(
     pool: asyncpg.Pool, db_url: str, org_id: uuid.UUID
 ) -> None:
     port = free_port("127.0.0.2")
-    server = await hostile_server("127.0.0.2", port)
+    server = await hostile_server("127.0.0.2", port, [])
     settings = Settings(
         server=ServerSettings(hostname="pigeon.test", node_name="hostile-test"),
         listener=(),
@@ -64,11 +45,12 @@ async def test_a_latin1_reply_with_a_nul_is_recorded_and_the_engine_keeps_going(
     )
     try:
         async with running_engine(settings, pool, db_url):
-            first = await send(pool, org_id, "someone@example.test", sender="")
-            assert await wait_final(pool, first) == {"someone@example.test": "bounced"}
+            first = await send(pool, org_id, "latin1@example.test", sender="")
+            assert await wait_final(pool, first) == {"latin1@example.test": "bounced"}
             # The record step was not poisoned: the next message is recorded too.
-            second = await send(pool, org_id, "other@example.test", sender="")
-            assert await wait_final(pool, second) == {"other@example.test": "bounced"}
+            # (another address: the first one's bounce put it on the suppression list)
+            second = await send(pool, org_id, "latin1@second.test", sender="")
+            assert await wait_final(pool, second) == {"latin1@second.test": "bounced"}
     finally:
         server.close()
         await server.wait_closed()

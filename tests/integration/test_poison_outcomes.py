@@ -7,7 +7,6 @@ engine --SMTP (relayhost)--> raw server on 127.0.0.2:<p>: RCPT to poison-*@ is a
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 import asyncpg
@@ -16,52 +15,7 @@ from pigeon_mta.config import DeliverySettings, Duration, ServerSettings, Settin
 from pigeon_mta.model import Status
 from tests.conftest import free_port
 from tests.integration.outbound_helpers import running_engine, send, wait_final
-
-# RCPT replies by local part: the middle digit of the first is U+0661 ARABIC-INDIC DIGIT ONE.
-POISON = {
-    b"poison-digit": "550 5.\u0661.1 User unknown".encode(),
-    b"poison-digit-temp": "450 4.\u0661.1 try later".encode(),
-    # 30 lines of 1,000 octets, as much as aiosmtplib reads of one reply (32 KB).
-    b"poison-long": b"".join(b"550-5.1.1 " + b"exceeded " * 110 + b"\r\n" for _ in range(29))
-    + b"550 5.1.1 "
-    + b"y" * 990,
-}
-
-
-async def hostile_server(host: str, port: int, delivered: list[bytes]) -> asyncio.Server:
-    async def session(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"220 hostile.test ESMTP\r\n")
-        recipients: list[bytes] = []
-        while line := await reader.readline():
-            verb = line[:4].upper()
-            if verb in (b"EHLO", b"HELO"):
-                writer.write(b"250-hostile.test\r\n250 SMTPUTF8\r\n")
-            elif verb == b"RCPT":
-                local = line.split(b"<", 1)[1].split(b"@", 1)[0]
-                if local in POISON:
-                    writer.write(POISON[local] + b"\r\n")
-                else:
-                    recipients.append(local)
-                    writer.write(b"250 2.1.5 ok\r\n")
-            elif verb == b"DATA":
-                writer.write(b"354 go\r\n")
-                await writer.drain()
-                while (await reader.readline()) not in (b".\r\n", b""):
-                    pass
-                delivered.extend(recipients)
-                writer.write(b"250 2.0.0 queued\r\n")
-            elif verb == b"RSET" or verb == b"MAIL":
-                recipients = []
-                writer.write(b"250 2.0.0 ok\r\n")
-            elif verb == b"QUIT":
-                writer.write(b"221 bye\r\n")
-                break
-            else:
-                writer.write(b"250 ok\r\n")
-            await writer.drain()
-        writer.close()
-
-    return await asyncio.start_server(session, host, port)
+from tests.peers.hostile_mx import hostile_server
 
 
 def _settings(port: int) -> Settings:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import random
 import uuid
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import pytest
 
 from pigeon_mta.config import DeliverySettings, Duration
-from pigeon_mta.model import ClaimedRecipient, Delivery, Outcome, Reply
+from pigeon_mta.model import AttemptResult, ClaimedRecipient, Delivery, Outcome, Reply
 from pigeon_mta.outbound.attempt import Peer, RecipientResult
 from pigeon_mta.outbound.classify import Stage
 from pigeon_mta.outbound.outcome import LOCAL_FAILURE_LIMIT, backoff_window, judge
@@ -33,6 +32,27 @@ def judged(
     last_reply: Reply | None = None,
     max_age: float | None = None,
 ) -> tuple[Outcome, str | None, str | None, datetime | None]:
+    out = judged_result(
+        result,
+        stage,
+        attempts=attempts,
+        queued_ago=queued_ago,
+        last_reply=last_reply,
+        max_age=max_age,
+    )
+    return out.outcome, out.category, out.rule, out.next_attempt_at
+
+
+def judged_result(
+    result: Reply | BaseException,
+    stage: Stage,
+    *,
+    attempts: int = 1,
+    queued_ago: float = 60,
+    last_reply: Reply | None = None,
+    max_age: float | None = None,
+) -> AttemptResult:
+    """The one recipient's AttemptResult that `judge` makes of `result` at `stage`."""
     recipient = ClaimedRecipient(
         id=uuid.uuid4(),
         address="bob@example.net",
@@ -62,7 +82,7 @@ def judged(
         max_age=max_age,
     )
     assert (out.recipient_id, out.attempt, out.mx_host) == (recipient.id, attempts, PEER.host)
-    return out.outcome, out.category, out.rule, out.next_attempt_at
+    return out
 
 
 @pytest.mark.parametrize(
@@ -161,31 +181,8 @@ def test_a_mailbox_code_keeps_a_rate_worded_reply_a_bounce() -> None:
 def test_a_deferred_5xx_rate_limit_is_a_throttling_reply_for_the_budget() -> None:
     from pigeon_mta.outbound.courier import throttling_reply
 
-    recipient = ClaimedRecipient(
-        id=uuid.uuid4(), address="b@example.net", attempts=1, queued_at=NOW
-    )
-    delivery = Delivery(
-        message_id=uuid.uuid4(),
-        org_id=uuid.uuid4(),
-        sender="a@example.com",
-        domain="example.net",
-        header_message_id=None,
-        received_at=NOW,
-        body=b"",
-        recipients=(recipient,),
-    )
-
-    def results(reply: Reply) -> list[Any]:
-        return judge(
-            delivery,
-            [RecipientResult(recipient, "rcpt", reply)],
-            peer=PEER,
-            duration=0.1,
-            started_at=NOW,
-            now=NOW,
-            settings=SETTINGS,
-            rng=random.Random(1),
-        )
+    def results(reply: Reply) -> list[AttemptResult]:
+        return [judged_result(reply, "rcpt")]
 
     quota = Reply(550, "5.7.1", "Daily sending quota exceeded")
     assert throttling_reply(results(quota)) == quota
