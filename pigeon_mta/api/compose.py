@@ -15,26 +15,15 @@ from __future__ import annotations
 
 import base64
 import binascii
-import email.errors
-import email.policy
 import json
 import re
-import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
-from email import encoders
-from email.charset import QP, Charset
 from email.header import Header
-from email.message import Message
-from email.mime.base import MIMEBase
-from email.mime.multipart import MIMEMultipart
-from email.mime.nonmultipart import MIMENonMultipart
-from email.mime.text import MIMEText
-from email.utils import formataddr
 from typing import Any
 
-from pigeon_mta.api import problems
-from pigeon_mta.api.problems import Problem
+from pigeon_mta.api import mime, problems
+from pigeon_mta.api.problems import Problem, shown
 from pigeon_mta.config import LimitsSettings
 from pigeon_mta.message import split_header
 from pigeon_mta.submission.addresses import AddressProblem, Mailbox, parse_mailbox
@@ -57,6 +46,10 @@ JSON_FIELDS = frozenset(
     }
 )
 ATTACHMENT_FIELDS = frozenset({"filename", "content_type", "content"})
+# Fields of the JSON `headers` object, at most; and the characters of one header value (subject
+# or `headers`), at most: longer ones are mistakes, and each costs encoding time to build.
+MAX_JSON_HEADERS = 100
+MAX_FIELD_VALUE = 16 * 1024
 # Fields the JSON form writes itself (or, for X-Pigeon-Lane, reads from `lane`).
 _OWN_HEADERS = frozenset(
     {
@@ -99,7 +92,7 @@ def from_json(body: bytes, limits: LimitsSettings) -> Submission:
         raise Problem(problems.INVALID_JSON, "The request body must be a JSON object.")
     unknown = sorted(set(request) - JSON_FIELDS)
     if unknown:
-        raise Problem(problems.INVALID_FIELD, f"The field '{_shown(unknown[0])}' is not known.")
+        raise Problem(problems.INVALID_FIELD, f"The field '{shown(unknown[0])}' is not known.")
     if "from" not in request:
         raise Problem(problems.INVALID_FIELD, "The field 'from' is missing.")
     _check_counts(request, limits)
@@ -117,179 +110,25 @@ def from_json(body: bytes, limits: LimitsSettings) -> Submission:
     lane = _string(request, "lane")
     if text is None and html is None:
         raise Problem(problems.INVALID_FIELD, "The request needs a 'text' or an 'html' field.")
-    headers: list[tuple[str, str | Header]] = [("From", _address_list([sender], "from"))]
+    headers: list[tuple[str, str | Header]] = [("From", mime.address_list([sender], "from"))]
     if to:
-        headers.append(("To", _address_list(to, "to")))
+        headers.append(("To", mime.address_list(to, "to")))
     if cc:
-        headers.append(("Cc", _address_list(cc, "cc")))
+        headers.append(("Cc", mime.address_list(cc, "cc")))
     if reply_to:
-        headers.append(("Reply-To", _address_list(reply_to, "reply_to")))
+        headers.append(("Reply-To", mime.address_list(reply_to, "reply_to")))
     if subject is not None:
         _check_value(subject, "subject")
-        headers.append(("Subject", _text_value(subject, "Subject", "subject")))
+        headers.append(("Subject", mime.text_value(subject, "Subject", "subject")))
     for name, value in _headers(request.get("headers")):
-        headers.append((name, _text_value(value, name, f"headers.{name}")))
-    tree = _body(text, html)
+        headers.append((name, mime.text_value(value, name, f"headers.{name}")))
+    tree = mime.body_of(text, html)
     attachments = _attachments(request)
     if attachments:
-        tree = _mixed(tree, attachments)
-    data = _flatten(headers, tree)
+        tree = mime.with_attachments(tree, attachments)
+    data = mime.flatten(headers, tree)
     _check_size(data, limits)
     return Submission(sender[0], recipients, data, lane)
-
-
-# ---------------------------------------------------------------- MIME
-
-# The email package's compat32 classes (email.mime, email.header), not EmailMessage: its header
-# objects parse back every value set and fold it again when written, about 0.5 ms of a 5 KB
-# message's 0.7 ms (bench/README.md, "HTTP API and webhooks"). Every value here is checked
-# before it is set (addresses by parse_mailbox, text for CR, LF and control characters), so
-# there is nothing left for them to find; what they did besides, encoded words for non-ASCII
-# text and folding at 78 columns, the compat32 generator does as well.
-
-
-class _Write(email.policy.Compat32):
-    """compat32 that writes a field which fits on its line as it is: compat32 makes a Header of
-    every value to fold it, a third of the time the message takes to write."""
-
-    def _fold(self, name: str, value: Any, sanitize: bool) -> str:
-        if (
-            isinstance(value, str)
-            and len(name) + 2 + len(value) <= (self.max_line_length or 78)
-            and value.isascii()
-            and "\r" not in value
-            and "\n" not in value
-        ):
-            return f"{name}: {value}{self.linesep}"
-        return str(super()._fold(name, value, sanitize))  # type: ignore[misc]
-
-
-_WRITE = _Write(linesep="\r\n")
-_LINE = _WRITE.max_line_length or 78
-_UTF8 = Charset("utf-8")
-_UTF8.body_encoding = QP  # quoted-printable: 7-bit for destinations without 8BITMIME
-_MIME_FIELDS = ("MIME-Version", "Content-Type", "Content-Transfer-Encoding")
-# A word the generator cannot fold: past this, a field name and it would not fit RFC 5322's 998.
-_LONGEST_WORD = 900
-# Fields of the JSON `headers` object, at most; and the characters of one header value (subject
-# or `headers`), at most: longer ones are mistakes, and each costs encoding time to build.
-MAX_JSON_HEADERS = 100
-MAX_FIELD_VALUE = 16 * 1024
-# A filename longer than this (or not ASCII) goes in RFC 2231 continuations, which fold.
-_SHORT_FILENAME = 60
-# RFC 2231 / RFC 5987 attr-char: what an extended parameter value keeps unencoded.
-_ATTR_CHARS = "!#$&+-.^_`|~"
-
-
-def _address_list(addresses: list[tuple[Mailbox, str]], field: str) -> str:
-    """`Name <local@domain>, ...`: a name quoted where it needs it, encoded when not ASCII."""
-    try:
-        return ", ".join(
-            formataddr((name, str(mailbox)), charset=_UTF8) for mailbox, name in addresses
-        )
-    except (ValueError, UnicodeError):
-        raise Problem(
-            problems.INVALID_HEADER, f"The value of '{_shown(field)}' is not a valid header value."
-        ) from None
-
-
-def _text_value(value: str, name: str, field: str) -> str | Header:
-    """A header value as given when it is ASCII and folds within a line, else encoded words
-    (RFC 2047), which split where the text cannot."""
-    if value.isascii() and all(len(word) <= _LONGEST_WORD for word in value.split()):
-        return value
-    try:
-        return Header(value, _UTF8, header_name=name)
-    except (ValueError, UnicodeError):
-        raise Problem(
-            problems.INVALID_HEADER, f"The value of '{_shown(field)}' is not a valid header value."
-        ) from None
-
-
-def _body(text: str | None, html: str | None) -> Message:
-    """The text, the html, or both as multipart/alternative."""
-    parts = [
-        _text_part(content, subtype, name)
-        for content, subtype, name in ((text, "plain", "text"), (html, "html", "html"))
-        if content is not None
-    ]
-    if len(parts) == 1:
-        return parts[0]
-    alternative = MIMEMultipart("alternative", policy=_WRITE)
-    for part in parts:
-        alternative.attach(part)
-    return alternative
-
-
-def _text_part(content: str, subtype: str, field: str) -> Message:
-    """7bit for ASCII in lines of at most 78 characters, else UTF-8 in quoted-printable (never
-    8bit, which a destination without 8BITMIME cannot take)."""
-    if not content.endswith("\n"):
-        content += "\n"  # a part's text ends with its line, not with the boundary's CRLF
-    plain = content.isascii() and all(len(line) <= _LINE for line in content.splitlines())
-    if plain:
-        return MIMEText(content, subtype, "us-ascii", policy=_WRITE)
-    part = MIMENonMultipart("text", subtype, policy=_WRITE, charset="utf-8")
-    try:
-        part.set_payload(content, _UTF8)
-        return part
-    except (ValueError, UnicodeError):
-        raise Problem(
-            problems.INVALID_FIELD, f"The field '{field}' cannot be encoded as UTF-8."
-        ) from None
-
-
-def _mixed(body: Message, attachments: list[tuple[str, str, bytes]]) -> Message:
-    mixed = MIMEMultipart("mixed", policy=_WRITE)
-    mixed.attach(body)
-    for filename, content_type, content in attachments:
-        maintype, subtype = content_type.split("/")
-        part = MIMEBase(maintype, subtype, policy=_WRITE)
-        part.set_payload(content)
-        encoders.encode_base64(part)
-        if filename.isascii() and len(filename) <= _SHORT_FILENAME:
-            part.add_header("Content-Disposition", "attachment", filename=filename)
-        else:
-            part["Content-Disposition"] = _disposition(filename)
-        mixed.attach(part)
-    return mixed
-
-
-def _disposition(filename: str) -> str:
-    """`attachment` with the filename in RFC 2231 continuations (`filename*0*=utf-8''...;
-    filename*1*=...`), each short, so that the field folds between them: a long filename written
-    whole made a line of 20,000 octets (RFC 5322 2.1.1 allows 998)."""
-    encoded = urllib.parse.quote(filename.encode("utf-8"), safe=_ATTR_CHARS)
-    chunks: list[str] = []
-    start = 0
-    while start < len(encoded):
-        end = min(start + _SHORT_FILENAME, len(encoded))
-        cut = encoded.rfind("%", max(start, end - 2), end)  # never inside a %XX
-        if cut > start and end < len(encoded):
-            end = cut
-        chunks.append(encoded[start:end])
-        start = end
-    charset = "utf-8''"  # RFC 2231 4: charset'language' on the first part only
-    parts = [f"filename*{i}*={charset if i == 0 else ''}{c}" for i, c in enumerate(chunks)]
-    return "attachment; " + "; ".join(parts)
-
-
-def _flatten(headers: list[tuple[str, str | Header]], body: Message) -> bytes:
-    """The message: the request's fields first, then the MIME ones, CRLF line ends."""
-    for part in body.walk():
-        if part is not body:
-            del part["MIME-Version"]  # the top level says it once
-    mime = [(name, body[name]) for name in _MIME_FIELDS if name in body]
-    for name, _value in mime:
-        del body[name]
-    for name, value in [*headers, *mime]:
-        body[name] = value  # type: ignore[assignment]  # compat32 takes a Header as well
-    try:
-        return body.as_bytes(policy=_WRITE)
-    except (ValueError, TypeError, UnicodeError, email.errors.MessageError) as exc:
-        raise Problem(
-            problems.INVALID_HEADER, f"The message cannot be built from these fields: {exc}."
-        ) from None
 
 
 def _check_counts(request: Mapping[str, Any], limits: LimitsSettings) -> None:
@@ -330,7 +169,7 @@ def _check_counts(request: Mapping[str, Any], limits: LimitsSettings) -> None:
         if len(value) > MAX_FIELD_VALUE:
             raise Problem(
                 problems.INVALID_HEADER,
-                f"The field '{_shown(field)}' is {len(value)} characters long; a header value "
+                f"The field '{shown(field)}' is {len(value)} characters long; a header value "
                 f"may have {MAX_FIELD_VALUE}.",
             )
         size += len(field) + len(value) + 4
@@ -362,11 +201,11 @@ def _check_value(value: str, field: str) -> None:
     if "\r" in value or "\n" in value:
         raise Problem(
             problems.INVALID_HEADER,
-            f"The field '{_shown(field)}' contains a CR or LF, which a header value may not.",
+            f"The field '{shown(field)}' contains a CR or LF, which a header value may not.",
         )
     if any(ord(c) < 0x20 and c != "\t" for c in value):
         raise Problem(
-            problems.INVALID_HEADER, f"The field '{_shown(field)}' contains a control character."
+            problems.INVALID_HEADER, f"The field '{shown(field)}' contains a control character."
         )
 
 
@@ -380,7 +219,7 @@ def _headers(value: object) -> list[tuple[str, str]]:
         if not _FIELD_NAME.fullmatch(name):
             raise Problem(
                 problems.INVALID_HEADER,
-                f"The header name '{_shown(name)}' in 'headers' is not a field name (printable "
+                f"The header name '{shown(name)}' in 'headers' is not a field name (printable "
                 "ASCII without spaces or a colon, RFC 5322 2.2).",
             )
         if name.lower() in _OWN_HEADERS:
@@ -411,7 +250,7 @@ def _attachments(request: Mapping[str, Any]) -> list[tuple[str, str, bytes]]:
         unknown = sorted(set(item) - ATTACHMENT_FIELDS)
         if unknown:
             raise Problem(
-                problems.INVALID_FIELD, f"The field '{where}.{_shown(unknown[0])}' is not known."
+                problems.INVALID_FIELD, f"The field '{where}.{shown(unknown[0])}' is not known."
             )
         filename = _string(item, "filename") or ""
         _check_value(filename, f"{where}.filename")
@@ -458,7 +297,7 @@ def _address(value: object, field: str) -> tuple[Mailbox, str]:
         AddressProblem.NEEDS_SMTPUTF8: "has non-ASCII characters, which need SMTPUTF8",
         AddressProblem.LITERAL: "is an address literal, which pigeon-mta does not route",
     }[parsed]
-    raise Problem(problems.INVALID_ADDRESS, f"The address '{_shown(text)}' in '{field}' {reason}.")
+    raise Problem(problems.INVALID_ADDRESS, f"The address '{shown(text)}' in '{field}' {reason}.")
 
 
 def _addresses(value: object, field: str) -> list[tuple[Mailbox, str]]:
@@ -532,9 +371,3 @@ def _check_size(data: bytes, limits: LimitsSettings) -> None:
             f"The message is {len(data)} bytes; limits.max_message_size allows "
             f"{limits.max_message_size}.",
         )
-
-
-def _shown(text: str, limit: int = 64) -> str:
-    """Client text made safe to repeat in a detail: printable, and not too long."""
-    text = "".join(c if c.isprintable() else "?" for c in text)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -159,3 +159,9 @@ def unstorable(text: str) -> bool:
     """Whether `text` holds what PostgreSQL's text cannot: a NUL, or an unpaired surrogate
     (JSON's "\\ud800" decodes to one): what `model.storable_text` would change."""
     return storable_text(text) != text
+
+
+def shown(text: str, limit: int = 64) -> str:
+    """Client text made safe to repeat in a detail: printable, and not too long."""
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

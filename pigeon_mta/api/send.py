@@ -33,7 +33,7 @@ from pigeon_mta.api.compose import Submission, from_json, from_raw
 from pigeon_mta.api.envelope import api_trace, client_ip, queued_as
 from pigeon_mta.api.idempotency import Idempotency, json_response
 from pigeon_mta.api.policy import ApiSenderPolicy
-from pigeon_mta.api.problems import Problem
+from pigeon_mta.api.problems import Problem, shown
 from pigeon_mta.config import DEFAULT_LANE, Settings
 from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.ids import new_id
@@ -81,7 +81,7 @@ class SendHandler:
         if request.content_type not in (JSON, RAW):
             raise Problem(
                 problems.UNSUPPORTED_MEDIA_TYPE,
-                f"The Content-Type '{_cut(request.content_type)}' is neither {JSON} nor {RAW}.",
+                f"The Content-Type '{shown(request.content_type)}' is neither {JSON} nor {RAW}.",
             )
         body = await request.read()
         idempotency = Idempotency.of(request, body, self.pool, key.org_id)
@@ -193,7 +193,7 @@ class SendHandler:
             known = ", ".join(sorted(lanes))
             raise Problem(
                 problems.UNKNOWN_LANE,
-                f"The lane '{_cut(submission.lane)}' in 'lane' is not a lane of the server "
+                f"The lane '{shown(submission.lane)}' in 'lane' is not a lane of the server "
                 f"(lanes: {known}).",
             )
         fields = (submission.lane,) if submission.lane is not None else fixed.lane_fields
@@ -330,8 +330,3 @@ def _compose(request: web.Request, body: bytes, settings: Settings) -> Submissio
     return from_raw(
         body, request.query.getall("from", []), request.query.getall("to", []), settings.limits
     )
-
-
-def _cut(text: str, limit: int = 64) -> str:
-    text = "".join(c if c.isprintable() else "?" for c in text)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
