@@ -29,8 +29,8 @@ from pigeon_mta.config import (
     ServerSettings,
     Settings,
     default_lanes,
-    nameserver_address,
 )
+from pigeon_mta.config_values import nameserver_address
 
 ENV_CONFIG = "PIGEON_CONFIG"
 ENV_DATABASE_URL = "PIGEON_DATABASE_URL"

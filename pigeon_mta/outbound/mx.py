@@ -31,13 +31,8 @@ import dns.nameserver
 import dns.rdatatype
 import dns.resolver
 
-from pigeon_mta.config import (
-    IpPreference,
-    Settings,
-    TlsPolicy,
-    nameserver_address,
-    route_target,
-)
+from pigeon_mta.config import IpPreference, Settings, TlsPolicy
+from pigeon_mta.config_values import nameserver_address, route_target
 from pigeon_mta.domains import ascii_domain
 from pigeon_mta.model import Reply
 
