@@ -24,6 +24,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
+from pigeon_mta.store import outcomes
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pigeon_mta.config import Settings
@@ -216,7 +218,7 @@ async def claim_record(
                 return
             if record:
                 now = datetime.now(UTC)
-                await leases.record_attempts(
+                await outcomes.record_attempts(
                     conn,
                     [
                         AttemptResult(

@@ -31,7 +31,7 @@ from pigeon_mta.outbound.classify import (
 )
 from pigeon_mta.plain import plain_text
 from pigeon_mta.signer import KeysUnavailable
-from pigeon_mta.store import leases as store_leases
+from pigeon_mta.store import outcomes as store_outcomes
 from pigeon_mta.store import suppression as store_suppression
 from pigeon_mta.store.executor import Executor, transaction
 from pigeon_mta.store.suppression import BounceEntry
@@ -285,7 +285,7 @@ class Applied:
     bounces: list[uuid.UUID] = field(default_factory=list)  # queue ids of the DSNs queued
     suppressed: int = 0  # suppression entries written for hard bounces
     # The webhook events written claimed for the offering sender, and the webhooks with new
-    # events waiting for a claim (store/leases.py `Recorded`): committed, for the sender.
+    # events waiting for a claim (store/outcomes.py `Recorded`): committed, for the sender.
     events: list[ClaimedEvent] = field(default_factory=list)
     waiting_events: set[uuid.UUID] = field(default_factory=set)
 
@@ -308,12 +308,12 @@ async def apply_outcomes(
     if not notices_too or not any(r.outcome in FAILED_OUTCOMES for r in results):
         # Nothing to bounce or suppress: the record statement is the whole transaction (one round
         # trip instead of BEGIN, record, COMMIT; most batches under load are like this).
-        recorded = await store_leases.record_outcomes(db, results, offer)
+        recorded = await store_outcomes.record_outcomes(db, results, offer)
         return Applied(
             applied=recorded.applied, events=recorded.events, waiting_events=recorded.waiting
         )
     async with transaction(db) as conn:
-        recorded = await store_leases.record_outcomes(conn, results, offer)
+        recorded = await store_outcomes.record_outcomes(conn, results, offer)
         applied = recorded.applied
         failed = messages_needing_bounces(results, applied)
         bounces = await notices.queue_bounces(

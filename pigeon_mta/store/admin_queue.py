@@ -6,7 +6,7 @@ part of an action (their worker would overwrite the change when it records its o
 dry run and the action report how many such rows matched and were left alone. A row whose lease
 ran out is not being delivered: nobody holds it (its worker died, or could not record), and the
 sweeper would queue it again. Retry and cancel take it like a queued row, whether a server runs
-or not; its old claim, should it ever record, is fenced out by the status (store/leases.py).
+or not; its old claim, should it ever record, is fenced out by the status (store/outcomes.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The queue's intake: enqueue messages with their recipients, and read a message's recipients back.
 
 The message row and its recipients' queue state are written in one statement (one commit), so an
-accepted message is never half-queued. Claiming and recording are store/leases.py's.
+accepted message is never half-queued. Claiming is store/leases.py's, recording store/outcomes.py's.
 """
 
 from __future__ import annotations

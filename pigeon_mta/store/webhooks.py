@@ -1,7 +1,7 @@
 """Webhooks and their outbox: the endpoints an org registers, the events waiting to be sent to them,
 and the sender's claims of those events.
 
-Event rows are written by the statements that record outcomes (store/leases.py, store/upkeep.py),
+Event rows are written by the statements that record outcomes (store/outcomes.py, store/upkeep.py),
 with `event_payload` as their body; this module owns everything else about them. A claim takes due
 events FOR UPDATE SKIP LOCKED and moves each one lease ahead: an event whose sender died is due
 again when the lease has passed, so every event is sent at least once. The claim increments
@@ -183,7 +183,7 @@ class ClaimedEvent:
 
 @dataclass(frozen=True)
 class Offer:
-    """The room a sender offers the statement that records outcomes (store/leases.py): the new
+    """The room a sender offers the statement that records outcomes (store/outcomes.py): the new
     events of a webhook with room are written already claimed by that sender (attempts 1, due again
     after `lease` seconds) and returned to it, so that it sends them with no claim of its own; the
     others wait in the outbox for a claim."""

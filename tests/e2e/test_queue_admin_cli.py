@@ -10,8 +10,8 @@ from typing import Any
 import asyncpg
 
 from pigeon_mta.model import AttemptResult, Outcome, Reply
-from pigeon_mta.store.leases import record_attempts
 from pigeon_mta.store.orgs import ensure_org
+from pigeon_mta.store.outcomes import record_attempts
 from tests.conftest import run_pigeon
 from tests.integration.queue_helpers import bulk_queue
 

@@ -18,7 +18,7 @@ from pigeon_mta import notices
 from pigeon_mta.model import DSN_LISTENER, AttemptResult, Delivery, Envelope, Outcome, Reply
 from pigeon_mta.outbound import outcome
 from pigeon_mta.outbound.classify import classify_reply
-from pigeon_mta.store import admin_queue, bounces, leases, queue, suppression, upkeep
+from pigeon_mta.store import admin_queue, bounces, outcomes, queue, suppression, upkeep
 from tests.integration.queue_helpers import bulk_queue, claim, suppressed_at_claim
 from tests.integration.test_queue import _recipient_scans
 
@@ -382,7 +382,7 @@ async def test_delay_warning_tells_the_sender_once_per_recipient(
         for d in await claim_all(pool)
         for r in d.recipients
     ]
-    assert len(await leases.record_attempts(pool, deferred)) == 4
+    assert len(await outcomes.record_attempts(pool, deferred)) == 4
     await send(pool, org_id, "d@example.net")  # old but never tried: not deferred
     await pool.execute(
         "UPDATE recipient SET created_at = now() - interval '2 hours' WHERE message_id <> $1",

@@ -16,7 +16,7 @@ from pigeon_mta.delivery_records import EVENT_FIELDS
 from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
 from pigeon_mta.outbound.outcome import apply_outcomes
-from pigeon_mta.store.leases import record_attempts
+from pigeon_mta.store.outcomes import record_attempts
 from pigeon_mta.store.queue import enqueue
 from tests.conftest import run_pigeon
 from tests.integration.queue_helpers import claim

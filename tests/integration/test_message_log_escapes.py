@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 import asyncpg
 
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
-from pigeon_mta.store.leases import record_attempts
+from pigeon_mta.store.outcomes import record_attempts
 from pigeon_mta.store.queue import enqueue
 from tests.integration.queue_helpers import claim
 from tests.integration.test_message_log import pigeon_log

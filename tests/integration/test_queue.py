@@ -14,7 +14,7 @@ import pytest
 
 from pigeon_mta.config import Settings
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
-from pigeon_mta.store import leases, queue, upkeep
+from pigeon_mta.store import leases, outcomes, queue, upkeep
 from pigeon_mta.store.connect import server_settings
 from tests.integration.queue_helpers import bulk_queue, claim, results_for
 
@@ -208,7 +208,7 @@ async def test_eight_concurrent_claimers_take_every_row_exactly_once(
                 if not batch:
                     return taken
                 taken.extend(r.id for d in batch for r in d.recipients)
-                await leases.record_attempts(conn, results_for(batch, Outcome.DELIVERED))
+                await outcomes.record_attempts(conn, results_for(batch, Outcome.DELIVERED))
 
     results = await asyncio.gather(*(claimer(f"claimer-{i}") for i in range(8)))
     everything = [rid for taken in results for rid in taken]
@@ -270,7 +270,7 @@ async def test_record_outcomes_in_one_batch(pool: asyncpg.Pool, org_id: uuid.UUI
         + results_for([deferred], Outcome.DEFERRED, retry_in=600, code=451)
         + results_for([bounced], Outcome.BOUNCED, code=550)
     )
-    applied = await leases.record_attempts(pool, results)
+    applied = await outcomes.record_attempts(pool, results)
     assert len(applied) == 3
     rows = {
         r["message_id"]: r
@@ -302,9 +302,11 @@ async def test_a_stale_claim_cannot_overwrite_a_newer_one(
     await leases.requeue_expired_leases(pool)
     new = await claim(pool, owner=OWNER, lease=60, batch=1)
     # The slow node finally reports a bounce: it is logged, not applied.
-    assert await leases.record_attempts(pool, results_for(old, Outcome.BOUNCED, code=550)) == set()
+    assert (
+        await outcomes.record_attempts(pool, results_for(old, Outcome.BOUNCED, code=550)) == set()
+    )
     assert await pool.fetchval("SELECT status FROM recipient") == "delivering"
-    assert await leases.record_attempts(pool, results_for(new, Outcome.DELIVERED)) != set()
+    assert await outcomes.record_attempts(pool, results_for(new, Outcome.DELIVERED)) != set()
     assert await pool.fetchval("SELECT status FROM recipient") == "delivered"
     log = await pool.fetch(
         "SELECT outcome, applied FROM attempt WHERE code IS NOT NULL ORDER BY recorded_at"
@@ -324,7 +326,7 @@ async def test_stale_and_current_outcome_of_one_recipient_in_one_batch(
     new = await claim(pool, owner=OWNER, lease=60, batch=1)
     rid = new[0].recipients[0].id
     batch = [*results_for(old, Outcome.BOUNCED, code=550), *results_for(new, Outcome.DELIVERED)]
-    assert await leases.record_attempts(pool, batch) == {rid}
+    assert await outcomes.record_attempts(pool, batch) == {rid}
     assert await pool.fetchval("SELECT status FROM recipient") == "delivered"
     log = await pool.fetch(  # code IS NULL: the sweeper's row for the lease that ran out
         "SELECT attempt, outcome, applied FROM attempt WHERE code IS NOT NULL ORDER BY attempt"
@@ -335,7 +337,7 @@ async def test_stale_and_current_outcome_of_one_recipient_in_one_batch(
     ]
     # An outcome for a recipient that does not exist is logged, not applied.
     ghost = AttemptResult(**{**vars(batch[1]), "recipient_id": uuid.uuid4()})
-    assert await leases.record_attempts(pool, [ghost]) == set()
+    assert await outcomes.record_attempts(pool, [ghost]) == set()
 
 
 async def test_renew_and_release(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
@@ -430,7 +432,7 @@ async def test_deferred_without_next_attempt_is_refused(
     pool: asyncpg.Pool, org_id: uuid.UUID
 ) -> None:
     with pytest.raises(ValueError):
-        await leases.record_attempts(pool, [_result(uuid.uuid4(), uuid.uuid4(), org_id)])
+        await outcomes.record_attempts(pool, [_result(uuid.uuid4(), uuid.uuid4(), org_id)])
 
 
 async def test_retention_purges_only_old_finished_messages(
@@ -441,10 +443,10 @@ async def test_retention_purges_only_old_finished_messages(
     deliveries = await claim(pool, owner=OWNER, lease=60, batch=10)
     done = [d for d in deliveries if d.message_id == old_done]
     waiting = [d for d in deliveries if d.message_id == old_waiting]
-    await leases.record_attempts(pool, results_for(done, Outcome.DELIVERED))
+    await outcomes.record_attempts(pool, results_for(done, Outcome.DELIVERED))
     # One of old_waiting's recipients is final, the other still deferred: the message stays.
     first, second = results_for(waiting, Outcome.DEFERRED, code=451)
-    await leases.record_attempts(
+    await outcomes.record_attempts(
         pool,
         [
             first,
@@ -454,7 +456,7 @@ async def test_retention_purges_only_old_finished_messages(
     await asyncio.sleep(1.5)
     fresh = await queue.enqueue(pool, envelope(org_id, "d@example.net"))
     fresh_done = await claim(pool, owner=OWNER, lease=60, batch=10)
-    await leases.record_attempts(pool, results_for(fresh_done, Outcome.DELIVERED))
+    await outcomes.record_attempts(pool, results_for(fresh_done, Outcome.DELIVERED))
 
     # Messages received more than a second ago count as old here.
     assert await upkeep.purge_finished_messages(pool, older_than=1.0) == 1
@@ -517,7 +519,9 @@ async def test_fenced_statements_look_up_their_rows_by_primary_key_with_many_in_
     rows = [(d, r) for d in claimed for r in d.recipients][:100]
     results = results_for([d for d, _ in rows], Outcome.DELIVERED)[:100]
     async with pool.acquire() as conn:
-        record = await _recipient_scans(conn, leases._RECORD, *leases._record_arguments(results))
+        record = await _recipient_scans(
+            conn, outcomes._RECORD, *outcomes._record_arguments(results)
+        )
         ids = [r.id for _, r in rows]
         attempts = [r.attempts for _, r in rows]
         renew = await _recipient_scans(conn, leases._RENEW_FENCED, ids, OWNER, 300.0, attempts)
@@ -535,7 +539,7 @@ async def test_fenced_statements_look_up_their_rows_by_primary_key_with_many_in_
     assert any(name == "recipient_leased" for _, name in count), count
 
 
-# The parameter types of leases._RECORD, for a PREPARE of it.
+# The parameter types of outcomes._RECORD, for a PREPARE of it.
 _RECORD_TYPES = (
     "uuid[], uuid[], uuid[], uuid[], int[], text[], timestamptz[], float8[], timestamptz[], "
     "text[], text[], int[], text[], text[], int[], text[], text[], text[], text[], text[], text, "
@@ -552,14 +556,14 @@ async def test_the_record_planned_once_on_an_empty_table_still_goes_by_primary_k
     conn = await asyncpg.connect(db_url, server_settings=server_settings(Settings(), by_key=True))
     try:
         types = _RECORD_TYPES.split(", ")
-        await conn.execute(f"PREPARE record ({_RECORD_TYPES}) AS {leases._RECORD}")
+        await conn.execute(f"PREPARE record ({_RECORD_TYPES}) AS {outcomes._RECORD}")
 
         async def scans(results: list[AttemptResult]) -> list[tuple[str, str | None]]:
             # EXPLAIN EXECUTE takes no bound parameters: the values go in as literals, which
             # the server writes itself.
             literals = [
                 await conn.fetchval(f"SELECT quote_nullable($1::{t}) || '::{t}'", value)
-                for t, value in zip(types, leases._record_arguments(results), strict=True)
+                for t, value in zip(types, outcomes._record_arguments(results), strict=True)
             ]
             plan = await _recipient_scans(conn, f"EXECUTE record ({', '.join(literals)})")
             return [node for node in plan if node[0] != "ModifyTable"]

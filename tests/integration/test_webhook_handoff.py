@@ -1,5 +1,5 @@
 """A worker's webhook sender takes the events of its process's recorded outcomes from the record
-itself (webhooks/sender.py `offer` and `take`, store/leases.py `record_outcomes`): a real sender,
+itself (webhooks/sender.py `offer` and `take`, store/outcomes.py `record_outcomes`): a real sender,
 a real PostgreSQL and a real aiohttp receiver on loopback."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.model import AttemptResult, Outcome, Reply
 from pigeon_mta.outbound.claims import Claims
 from pigeon_mta.outbound.recorder import Recorder
-from pigeon_mta.store import leases
+from pigeon_mta.store import outcomes
 from pigeon_mta.store import webhooks as store_webhooks
 from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.webhooks.sender import RecordInterrupted, WebhookSender, record_results
@@ -89,7 +89,7 @@ async def test_events_handed_over_by_the_record_are_sent_and_recorded(
     # OFFER_WAIT, and writes its events for any sender to claim.
     assert await sender.offer() is store_webhooks.NO_OFFER
 
-    recorded = await leases.record_outcomes(pool, results, offer)
+    recorded = await outcomes.record_outcomes(pool, results, offer)
     sender.take(offer, recorded.events, recorded.waiting)
 
     assert (len(recorded.events), recorded.waiting) == (2, {hook.id})
@@ -215,7 +215,7 @@ async def test_a_hostile_endpoints_reply_never_stops_the_senders_record(
     good = await store_webhooks.add_webhook(
         pool, org_id, receiver.url, ["delivered"], receiver.secret
     )
-    await leases.record_attempts(pool, await delivered(pool, org_id, 3))
+    await outcomes.record_attempts(pool, await delivered(pool, org_id, 3))
     settings = WebhookSettings(poll_interval=Duration(0.2), concurrency_per_endpoint=8)
     sender = WebhookSender(settings, pool)
     await sender.start()
@@ -250,7 +250,7 @@ async def test_a_result_the_database_refuses_costs_that_result_not_the_record(
     are recorded, the third is left to its lease (its event is sent again), and nothing raises.
     A database that is away interrupts the record with what it did not record."""
     await store_webhooks.add_webhook(pool, org_id, "http://127.0.0.1:9/h", ["delivered"], "s")
-    await leases.record_attempts(pool, await delivered(pool, org_id, 3))
+    await outcomes.record_attempts(pool, await delivered(pool, org_id, 3))
     async with pool.acquire() as conn:
         claimed = await store_webhooks.claim_due_events(conn, room=8, busy={}, lease=60)
     later = datetime.now(UTC) + timedelta(seconds=60)

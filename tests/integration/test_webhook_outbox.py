@@ -14,7 +14,7 @@ import asyncpg
 
 from pigeon_mta.model import Envelope, Outcome, Reply
 from pigeon_mta.outbound import outcome
-from pigeon_mta.store import leases, queue, upkeep
+from pigeon_mta.store import outcomes, queue, upkeep
 from pigeon_mta.store import webhooks as store_webhooks
 from tests.integration.test_bounces import claim_all, result
 
@@ -51,7 +51,7 @@ async def test_expiry_writes_an_expired_event_with_the_last_reply(
     deferred = dataclasses.replace(
         result(delivery, "bob@example.net", Outcome.DEFERRED, greylisted), next_attempt_at=later
     )
-    await leases.record_attempts(pool, [deferred])
+    await outcomes.record_attempts(pool, [deferred])
     assert await events(pool) == []  # deferred: not asked for
     await pool.execute("UPDATE recipient SET created_at = now() - interval '6 days'")
 
@@ -89,8 +89,8 @@ async def test_suppressed_outcomes_are_events_and_stale_claims_are_not(
     ok = result(keep[0], "ok@example.net", Outcome.DELIVERED, Reply(250, "2.0.0", "ok"))
     stale = dataclasses.replace(ok, attempt=ok.attempt + 1)  # a claim that no longer holds
 
-    await leases.record_attempts(pool, [*suppressed, stale])
-    await leases.record_attempts(pool, [ok])
+    await outcomes.record_attempts(pool, [*suppressed, stale])
+    await outcomes.record_attempts(pool, [ok])
 
     found = sorted((e["type"], e["data"]["recipient"]) for e in await events(pool))
     assert found == [("delivered", "ok@example.net"), ("suppressed", "gone@example.net")]
@@ -114,7 +114,7 @@ async def test_the_record_writes_events_within_an_offer_claimed_and_returns_them
     results = [result(delivery, a, Outcome.DELIVERED, ok) for a in addresses]
     offer = store_webhooks.Offer({busy.id: 1, full.id: 0}, other=2, lease=600)
 
-    recorded = await leases.record_outcomes(pool, results, offer)
+    recorded = await outcomes.record_outcomes(pool, results, offer)
 
     assert recorded.applied == {r.recipient_id for r in results}
     handed = collections.Counter(e.webhook_id for e in recorded.events)
@@ -150,7 +150,7 @@ async def test_a_record_with_no_offer_leaves_every_event_to_a_claim(
     [delivery] = await claim_all(pool)
     ok = result(delivery, "a@example.net", Outcome.DELIVERED, Reply(250, "2.0.0", "ok"))
 
-    recorded = await leases.record_outcomes(pool, [ok])
+    recorded = await outcomes.record_outcomes(pool, [ok])
 
     assert (recorded.events, recorded.waiting) == ([], {hook.id})
     [claimed] = await store_webhooks.claim_due_events(pool, room=8, busy={}, lease=60)
