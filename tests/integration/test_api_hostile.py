@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
+import aiohttp
 import asyncpg
 import pytest
 
@@ -260,3 +261,25 @@ async def test_a_body_over_what_the_server_reads_is_refused_unread(api: Api) -> 
     answer, closed = await _head_only(api, head)
     assert answer.startswith(b"HTTP/1.1 413 ") and closed
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["type"] == TYPE_PREFIX + "too-large"
+
+
+async def test_a_chunked_body_without_a_length_is_read_and_queued(
+    api: Api, pool: asyncpg.Pool
+) -> None:
+    """A client that streams its body (Transfer-Encoding: chunked, no Content-Length) holds the
+    room of the largest body while it is read, and is queued like any other."""
+
+    async def chunks() -> AsyncIterator[bytes]:
+        body = json.dumps(GOOD).encode()
+        for start in range(0, len(body), 16):
+            yield body[start : start + 16]
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            api.url + "/v1/messages",
+            data=chunks(),
+            headers={"Authorization": f"Bearer {api.key}", "Content-Type": "application/json"},
+        ) as answer:
+            assert answer.status == 202, await answer.text()
+            assert answer.request_info.headers.get("Transfer-Encoding") == "chunked"
+    assert await pool.fetchval("SELECT count(*) FROM message") == 1
