@@ -28,18 +28,20 @@ from pigeon_mta.store.executor import Executor
 SUPPRESSION_ACTIVE = "(s.expires_at IS NULL OR s.expires_at > now())"
 
 # Cross-tenant by design: the claim serves every org's queue, fairly. Due recipients fall into
-# (org, lane) groups; each group with due mail gets a share of the batch by its lane's weight, the
-# lane's share split evenly between its orgs, at least one each. When there are more groups than
-# the batch holds, the groups that get one come in random order: ordered by age, the groups of old
-# backlogs would come first at every claim and a newer group's mail would wait for their backlogs.
-# What the shares leave unused (a group with fewer due rows than its share) goes to the groups'
-# further due rows, so a lone backlog gets the whole batch: the claim is work-conserving. One org's
-# backlog of any size thus delays another org's due mail by at most one claim.
+# (org, lane) groups. Each lane with due mail gets a share of the batch by its weight (one place at
+# least), and a lane's share is split evenly between its orgs; with more orgs than places, the
+# orgs that get one are picked at random, so lane weights hold however many orgs a lane has (500
+# bulk orgs do not crowd out one transactional org). Ordered by age or by org id, old backlogs or
+# old tenants would come first at every claim. What the shares leave unused (a group with fewer
+# due rows than its share) goes to further due rows of the groups, taken in random order, so a
+# lone backlog gets the whole batch (the claim is work-conserving) and the leftover never falls
+# to the same tenant. One org's backlog of any size thus delays another org's due mail by at
+# most one claim.
 #
 # `groups` walks the partial index recipient_due_group (org_id, lane, next_attempt_at) of queued
 # rows one (org, lane) at a time (a skip scan: one index descent per group, whatever the rows per
-# group, landing on the group's oldest row); `due` keeps those whose oldest row is due; `shares`
-# weighs them. `fair` takes each group's share oldest first, `rest` fills the batch; both lock
+# group, landing on the group's oldest row); `due` keeps those whose oldest row is due; `lanes`
+# and `shares` weigh them. `fair` takes each group's share oldest first, `rest` fills the batch; both lock
 # with SKIP LOCKED, so claims of several workers pass each other. ARRAY(...) makes each locking
 # subquery run once. One row per recipient, grouped in Python (outbound/claims.py): grouping in
 # SQL (array_agg ... ORDER BY per column and group) cost PostgreSQL about a seventh of the claim
@@ -54,15 +56,22 @@ WITH RECURSIVE groups AS (
         WHERE status = 'queued' AND (org_id, lane) > (g.org_id, g.lane)
         ORDER BY org_id, lane, next_attempt_at LIMIT 1) n
 ), due AS (
-    SELECT g.org_id, g.lane, COALESCE(w.weight, 1.0) / count(*) OVER (PARTITION BY g.lane) AS weight
+    SELECT g.org_id, g.lane, COALESCE(w.weight, 1.0) AS weight,
+           count(*) OVER (PARTITION BY g.lane) AS orgs,
+           row_number() OVER (PARTITION BY g.lane ORDER BY random()) AS pick
     FROM groups g
     LEFT JOIN unnest($4::text[], $5::float8[]) AS w (lane, weight) ON w.lane = g.lane
     WHERE g.oldest <= now()
+), lanes AS (
+    SELECT lane, greatest(1, floor($3::int * weight / sum(weight) OVER ()))::int AS share
+    FROM (SELECT DISTINCT lane, weight FROM due) l
 ), shares AS (
-    SELECT org_id, lane, greatest(1, floor($3::int * weight / sum(weight) OVER ()))::int AS share
-    FROM due
+    SELECT d.org_id, d.lane, random() AS turn,
+           (l.share / d.orgs + CASE WHEN d.pick <= l.share % d.orgs THEN 1 ELSE 0 END)::int
+               AS share
+    FROM due d JOIN lanes l USING (lane)
 ), fair AS (
-    SELECT x.id FROM (SELECT * FROM shares ORDER BY random()) s
+    SELECT x.id FROM (SELECT * FROM shares WHERE share > 0 ORDER BY turn) s
     CROSS JOIN LATERAL (
         SELECT id FROM recipient
         WHERE status = 'queued' AND org_id = s.org_id AND lane = s.lane
@@ -71,7 +80,7 @@ WITH RECURSIVE groups AS (
         FOR UPDATE SKIP LOCKED) x
     LIMIT $3
 ), rest AS (
-    SELECT x.id FROM shares s
+    SELECT x.id FROM (SELECT * FROM shares ORDER BY turn) s
     CROSS JOIN LATERAL (
         SELECT id FROM recipient
         WHERE status = 'queued' AND org_id = s.org_id AND lane = s.lane

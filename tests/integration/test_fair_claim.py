@@ -121,3 +121,52 @@ async def test_parallel_fair_claims_never_hand_out_a_row_twice(
     await asyncio.gather(*(claimer() for _ in range(6)))
     assert len(claimed) == 2500
     assert len(set(claimed)) == 2500
+
+
+async def test_lane_weights_hold_with_more_orgs_in_a_lane_than_the_batch_has_places(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    # 500 bulk orgs (weight 1) with due mail, one transactional org (weight 10) with a backlog:
+    # "one place each" would hand the bulk orgs every place; the weights give transactional
+    # 10/11 of each claim.
+    orgs = await pool.fetch(
+        "INSERT INTO org (id, name) SELECT gen_random_uuid(), 'bulk' || n"
+        " FROM generate_series(1, 500) AS n RETURNING id"
+    )
+    for row in orgs:
+        await bulk_queue(pool, row["id"], messages=3, lane="bulk", age=600)
+    await bulk_queue(pool, org_id, messages=5000, lane="transactional")
+    await pool.execute("ANALYZE recipient")
+    bulk_orgs: set[uuid.UUID] = set()
+    for _ in range(10):
+        rows = await claim_rows(pool, 100)
+        assert len(rows) == 100
+        mine = sum(1 for row in rows if row.org_id == org_id)
+        assert mine >= 80, mine
+        bulk_orgs.update(row.org_id for row in rows if row.org_id != org_id)
+    # The bulk places go round at random, not to the oldest or lowest-numbered orgs.
+    assert len(bulk_orgs) >= 60
+
+
+async def test_the_leftover_goes_round_rather_than_to_the_lowest_org_id(pool: asyncpg.Pool) -> None:
+    low = await ensure_org(pool, "low")
+    high = await ensure_org(pool, "high")
+    if low.int > high.int:
+        low, high = high, low
+    await bulk_queue(pool, low, messages=2000, lane="bulk")
+    await bulk_queue(pool, high, messages=2000, lane="bulk")
+    small = await ensure_org(pool, "small")
+    await bulk_queue(pool, small, messages=2, lane="transactional")
+    totals: Counter[uuid.UUID] = Counter()
+    for _ in range(40):
+        rows = await claim_rows(pool, 100)
+        totals.update(row.org_id for row in rows)
+        # Everything back, due again: each claim sees the same three groups.
+        await pool.execute(
+            "UPDATE recipient SET status = 'queued', attempts = 0 WHERE status = 'delivering'"
+        )
+    # The small org's 2 in every claim; each claim's leftover (89 places) goes to one backlog
+    # or the other at random: ordered by org id, the lower one would take all 40 (and the higher
+    # one about 180 in all).
+    assert totals[small] == 80
+    assert totals[low] > 600 and totals[high] > 600, totals
