@@ -196,8 +196,10 @@ BUDGET_COLUMNS = [
 def budget_row(b: store_budgets.BudgetState) -> dict[str, Any]:
     """A limited destination, lane or org: configured and effective limits, backoff state."""
     kind = b.key.split(":", 1)[0]
-    # A destination's key names a pattern entry or an MX domain: the name is what matters.
-    name = b.name.removeprefix("pattern:").removeprefix("mx:")
+    # A destination's key names a pattern entry, a site (its MX hosts) or a route.
+    if b.name.startswith("site:"):
+        kind = "site"
+    name = b.name.removeprefix("pattern:").removeprefix("mx:").removeprefix("site:")
     state = "ok"
     if b.backoff:
         state = f"backing off since {_clock(b.throttled_at)}"

@@ -1,9 +1,9 @@
 """Per-destination policy and traffic shaping: TLS policy, concurrency limit, token-bucket rate.
 
 A destination is what a `[delivery.destination."PATTERN"]` entry groups (a domain, or every domain
-whose MX hosts match a pattern such as "*.google.com": traffic is shaped by the site that receives
-it, not by the recipient's domain name), else the route itself (one recipient domain, a static
-route, or the relayhost). An entry's rate and concurrency hold for the whole cluster
+whose MX hosts match a pattern such as "*.google.com"), else the route's site (`Route.site`: the
+set of MX hosts, so that domains hosted at one provider share its limits; a static route or the
+relayhost). Traffic is shaped by the site that receives it, not by the recipient's domain name. An entry's rate and concurrency hold for the whole cluster
 (outbound/budgets.py); the Gates here hold the per-process `destination_concurrency` of
 destinations without such a budget.
 """
@@ -63,7 +63,7 @@ def policy_for(delivery: DeliverySettings, domain: str, route: Route) -> Destina
     # The relayhost's own TLS setting wins; else the entry's, else delivery.tls.
     tls: TlsPolicy = route.tls if route.tls is not None else (dest.tls or delivery.tls)
     return DestinationPolicy(
-        key=f"pattern:{chosen[0]}" if chosen else route.destination,
+        key=f"pattern:{chosen[0]}" if chosen else route.site,
         tls=tls,
         concurrency=dest.concurrency or delivery.destination_concurrency,
         rate=dest.rate,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import ipaddress
 import logging
 import random
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 # RFC 5321 5.1 leaves the number of MX hosts to try open; five is what Postfix tries by default,
 # enough for real redundancy without letting one domain hold a delivery for long.
 MAX_MX_HOSTS = 5
+# Characters of a site's name (its MX host names) kept whole.
+MAX_SITE_NAME = 200
 
 RouteKind = Literal["mx", "implicit-mx", "route", "relayhost"]
 # A domain's MX hosts as (preference, host name), before shuffling; None: no MX records (implicit MX).
@@ -71,6 +74,20 @@ class Route:
     @property
     def host_names(self) -> tuple[str, ...]:
         return tuple(h.host for h in self.hops)
+
+    @property
+    def site(self) -> str:
+        """The site that receives this route's mail, which traffic is shaped by: for MX routes
+        the set of MX host names (every domain Google hosts shares one site, whatever the order
+        or preferences of its records), for a static route or the relayhost its destination."""
+        if self.kind not in ("mx", "implicit-mx"):
+            return self.destination
+        name = ",".join(sorted({host.lower() for host in self.host_names}))
+        if len(name) > MAX_SITE_NAME:
+            # Five long host names: a digest keeps the key (and the log line) bounded.
+            digest = hashlib.sha256(name.encode()).hexdigest()[:32]
+            name = f"{name[: MAX_SITE_NAME - 34]}~{digest}"
+        return f"site:{name}"
 
 
 @dataclass(frozen=True)

@@ -66,3 +66,33 @@ async def test_without_adaptive_concurrency_the_limit_stays_fixed(
         max_connections_per_host=30,
     )
     assert most == 3, most
+
+
+async def test_domains_hosted_at_one_site_share_its_limit(
+    tmp_path: Path, pool: asyncpg.Pool, db_url: str, org_id: uuid.UUID
+) -> None:
+    # Two domains whose MX records name the same hosts (in another order) are one site: its
+    # limit of 2 transactions holds for both together, not 2 each.
+    async with mail_world(tmp_path) as world:
+        world.dns.mx("shop.test", (10, "mx1.order.test"), (20, "mx2.order.test"))
+        world.dns.mx("corp.test", (5, "mx2.order.test"), (50, "mx1.order.test"))
+        world.sinks.slow_seconds = 0.3
+        settings = world.settings(
+            db_url,
+            concurrency=200,
+            destination_concurrency=2,
+            adaptive_concurrency=False,
+            max_connections_per_host=30,
+        )
+        for n in range(12):
+            await send(pool, org_id, f"s{n}@shop.test")
+            await send(pool, org_id, f"c{n}@corp.test")
+
+        async def all_delivered() -> bool:
+            done = await pool.fetchval("SELECT count(*) FROM recipient WHERE status = 'delivered'")
+            return bool(done == 24)
+
+        async with running_engine(settings, pool, db_url):
+            await wait_until(all_delivered, 60, "every message delivered")
+        assert sorted(world.sinks.deliveries().values()) == [1] * 24
+        assert world.sinks.max_in_flight == 2

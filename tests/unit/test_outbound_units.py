@@ -53,10 +53,10 @@ def route(domain: str, *hosts: str) -> Route:
     return Route(f"mx:{domain}", "mx", tuple(Hop(h, 25) for h in hosts))
 
 
-def test_policy_defaults_key_on_the_route() -> None:
+def test_policy_defaults_key_on_the_site() -> None:
     delivery = DeliverySettings()
     policy = policy_for(delivery, "example.com", route("example.com", "mx.example.com"))
-    assert policy.key == "mx:example.com"
+    assert policy.key == "site:mx.example.com"
     assert (policy.tls, policy.concurrency, policy.rate) == ("opportunistic", 100, 0)
     assert policy.max_messages_per_connection == 100
 
@@ -105,4 +105,35 @@ def test_idle_gates_are_forgotten_when_there_are_too_many(monkeypatch: pytest.Mo
     busy.in_flight = 1
     gates.get(policy_for(delivery, "b.example", route("b.example", "mx.b.example")))
     gates.get(policy_for(delivery, "c.example", route("c.example", "mx.c.example")))
-    assert sorted(gates._gates) == ["mx:a.example", "mx:c.example"]
+    assert sorted(gates._gates) == ["site:mx.a.example", "site:mx.c.example"]
+
+
+def test_domains_whose_mx_records_name_the_same_hosts_share_one_site() -> None:
+    delivery = DeliverySettings()
+    google = ("aspmx.l.google.com", "alt1.aspmx.l.google.com", "alt2.aspmx.l.google.com")
+    # Another order (preferences, shuffling) and another spelling are the same hosts.
+    one = policy_for(delivery, "shop.example", route("shop.example", *google))
+    two = policy_for(
+        delivery, "corp.example", route("corp.example", *reversed([h.upper() for h in google]))
+    )
+    assert (
+        one.key
+        == two.key
+        == ("site:alt1.aspmx.l.google.com,alt2.aspmx.l.google.com,aspmx.l.google.com")
+    )
+    # Another set of hosts is another site, and a static route or the relayhost is its own.
+    assert policy_for(delivery, "x.example", route("x.example", google[0])).key != one.key
+    relay = Route("relayhost", "relayhost", (Hop("relay.example", 587),))
+    assert policy_for(delivery, "x.example", relay).key == "relayhost"
+    static = Route("route:[127.0.0.2]:2525", "route", (Hop("127.0.0.2", 2525),))
+    assert policy_for(delivery, "x.example", static).key == "route:[127.0.0.2]:2525"
+
+
+def test_a_site_of_five_long_host_names_has_a_bounded_key() -> None:
+    hosts = [f"{'m' * 60}.{i}.{'x' * 60}.example" for i in range(5)]
+    key = policy_for(DeliverySettings(), "x.example", route("x.example", *hosts)).key
+    assert len(key) <= 5 + 200
+    shuffled = policy_for(DeliverySettings(), "y.example", route("y.example", *hosts[::-1])).key
+    assert key == shuffled
+    other = policy_for(DeliverySettings(), "z.example", route("z.example", *hosts[:4])).key
+    assert other != key
