@@ -23,7 +23,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -33,6 +33,7 @@ from pigeon_mta.metrics import BUDGET_POSTPONED, BUDGETS_BACKING_OFF
 from pigeon_mta.model import Delivery, Reply
 from pigeon_mta.node import STALE_AFTER
 from pigeon_mta.outbound.connect import ConnectionKey
+from pigeon_mta.outbound.grants import Held, Need, Pass, Wait, name_of
 from pigeon_mta.outbound.limits import DestinationPolicy
 from pigeon_mta.outbound.pool import ConnectionPool
 from pigeon_mta.outbound.throttling import ThrottlingReports
@@ -58,58 +59,6 @@ BOOKING_HORIZON = 60.0
 UNAVAILABLE_DELAY = 5.0
 
 
-@dataclass(frozen=True)
-class Need:
-    """One budget a delivery falls under."""
-
-    key: str
-    rate: float
-    concurrency: int
-    burst: float
-    slot: bool  # a session slot too (a destination with a concurrency, or backing off)
-    label: str  # the metric label: bounded (configured names only)
-
-
-@dataclass(frozen=True)
-class Pass:
-    """A delivery's grants: a token of each need, a slot of those that take one."""
-
-    needs: tuple[Need, ...]
-
-    @property
-    def destination(self) -> bool:
-        return any(n.key.startswith(DESTINATION) for n in self.needs)
-
-
-@dataclass(frozen=True)
-class Wait:
-    """No room: due again at `until`, with the reason the recipient's log shows."""
-
-    until: datetime
-    reason: str
-    need: Need
-    kind: str  # rate | concurrency | backoff | unavailable
-
-
-@dataclass
-class _Held:
-    """What this process holds of one budget."""
-
-    tokens: int = 0
-    tokens_until: float = 0.0
-    slots: int = 0
-    slots_limited: bool = True  # false while the budget has no concurrency in force
-    in_use: int = 0
-    last_used: float = 0.0
-    effective_rate: float = 0.0
-    effective_concurrency: int = 0
-    booked_from: datetime | None = None
-    booked: int = 0  # handed back since booked_from
-    slot_waits: int = 0  # handed back for want of a slot since the last grant
-    held_until: datetime | None = None
-    connections: set[ConnectionKey] = field(default_factory=set)
-
-
 @dataclass
 class _Request:
     needs: tuple[Need, ...]
@@ -128,7 +77,7 @@ class Budgets:
         self.connections = connections
         # Processes of one node share its lease owner: each holds its own slots.
         self.holder = f"{owner}#{os.getpid()}"
-        self._held: dict[str, _Held] = {}
+        self._held: dict[str, Held] = {}
         self.throttling = ThrottlingReports(settings, pool)
         self._org_rates: dict[uuid.UUID, float] = {}
         self._backing_off: frozenset[str] = frozenset()
@@ -223,7 +172,7 @@ class Budgets:
         return True
 
     @staticmethod
-    def _slot_free(held: _Held) -> bool:
+    def _slot_free(held: Held) -> bool:
         return not held.slots_limited or held.in_use < held.slots
 
     # ------------------------------------------------------------ one statement per batch
@@ -243,7 +192,7 @@ class Budgets:
                 for request in batch:
                     if not request.done.done():
                         need = request.needs[0]
-                        reason = f"postponed: the budget of {_name(need)} cannot be read"
+                        reason = f"postponed: the budget of {name_of(need)} cannot be read"
                         request.done.set_result(Wait(until, reason, need, "unavailable"))
 
     async def _grant(self, batch: list[_Request]) -> None:
@@ -264,7 +213,7 @@ class Budgets:
                 needs[need.key] = need
         requests = []
         for key, (tokens, slots) in wanted.items():
-            held = self._held.setdefault(key, _Held())
+            held = self._held.setdefault(key, Held())
             spare = held.tokens if held.tokens_until >= now else 0
             free = max(0, held.slots - held.in_use)
             need = needs[key]
@@ -315,7 +264,7 @@ class Budgets:
         waits = [w for w in (self._wait_for(need, now) for need in needs) if w is not None]
         if not waits:  # every budget had room, yet not all at once: a moment later
             until = datetime.now(UTC) + timedelta(seconds=SLOT_LINGER)
-            return Wait(until, f"postponed: waiting for {_name(needs[0])}", needs[0], "rate")
+            return Wait(until, f"postponed: waiting for {name_of(needs[0])}", needs[0], "rate")
         return max(waits, key=lambda w: w.until)
 
     def _wait_for(self, need: Need, now: float) -> Wait | None:
@@ -326,7 +275,7 @@ class Budgets:
         )
         if held.held_until is not None and held.held_until > wall:
             reason = (
-                f"postponed: {_name(need)} asked to retry later (a throttling reply); "
+                f"postponed: {name_of(need)} asked to retry later (a throttling reply); "
                 "not counted as an attempt"
             )
             return Wait(self._spread(held, held.held_until), reason, need, "backoff")
@@ -335,10 +284,10 @@ class Budgets:
             until = self._spread(held, start)
             kind = "backoff" if backing_off else "rate"
             reason = (
-                f"postponed: {_name(need)} is backing off after throttling replies "
+                f"postponed: {name_of(need)} is backing off after throttling replies "
                 f"(effective rate {held.effective_rate:g}/s)"
                 if backing_off
-                else f"postponed: waiting for the rate budget of {_name(need)} "
+                else f"postponed: waiting for the rate budget of {name_of(need)} "
                 f"({held.effective_rate:g}/s)"
             )
             return Wait(until, reason, need, kind)
@@ -350,14 +299,14 @@ class Budgets:
             until = wall + timedelta(seconds=SLOT_RETRY + held.slot_waits * per_slot)
             kind = "backoff" if backing_off else "concurrency"
             reason = (
-                f"postponed: waiting for a session slot of {_name(need)} "
+                f"postponed: waiting for a session slot of {name_of(need)} "
                 f"({held.effective_concurrency} at once, cluster-wide)"
             )
             return Wait(until, reason, need, kind)
         return None
 
     @staticmethod
-    def _spread(held: _Held, start: datetime) -> datetime:
+    def _spread(held: Held, start: datetime) -> datetime:
         """The next booked time of this budget: a token apart after `start`."""
         rate = held.effective_rate or 1.0
         until = start + timedelta(seconds=held.booked / rate)
@@ -468,8 +417,3 @@ class Budgets:
                 await store.hold_slots(
                     self.pool, keep, holder=self.holder, lease=self.delivery.lease
                 )
-
-
-def _name(need: Need) -> str:
-    kind, _, name = need.key.partition(":")
-    return f"{kind} {name}" if kind != "org" else "its org"

@@ -26,9 +26,10 @@ from pigeon_mta.outbound.attempt import (
     transact,
     wire_message,
 )
-from pigeon_mta.outbound.budgets import Budgets, Pass, Wait
+from pigeon_mta.outbound.budgets import Budgets
 from pigeon_mta.outbound.classify import Category, stated_retry_delay
 from pigeon_mta.outbound.connect import ConnectionKey, ConnectOptions
+from pigeon_mta.outbound.grants import Pass, Wait
 from pigeon_mta.outbound.limits import (
     DestinationPolicy,
     Gate,
