@@ -213,7 +213,7 @@ async def claim_record(
             claimed = await leases.claim_due_recipients(
                 conn, owner=f"bench-{i}", lease=300, batch=100, lane_weights=LANE_WEIGHTS
             )
-            batch = group_deliveries(claimed)
+            batch = group_deliveries(claimed.rows)
             if not batch:
                 return
             if record:
@@ -450,7 +450,7 @@ async def fair_part(
         conn, owner="bench-fair", lease=300, batch=100, lane_weights=LANE_WEIGHTS
     )
     took = time.perf_counter() - began
-    theirs = sum(1 for row in claimed if row.org_id == other)
+    theirs = sum(1 for row in claimed.rows if row.org_id == other)
     results.append(
         (
             f"fair claim: another org's 20 due behind one org's {backlog:,} due (batch 100)",

@@ -188,6 +188,10 @@ class ClaimedRow:
     body: bytes | None  # on one row of each message (each body is read once)
     recipient: ClaimedRecipient
     lane: str = "transactional"
+    # Claimed from its site's queue (store/migrations/0024): the budget key whose token the claim
+    # took, and the seconds until that token is there.
+    site: str | None = None
+    site_delay: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -204,6 +208,10 @@ class Delivery:
     body: bytes
     recipients: tuple[ClaimedRecipient, ...]
     lane: str = "transactional"
+    # Claimed from a site's queue: the budget whose tokens the claim took (one per recipient),
+    # and the seconds to wait before sending, until they are there.
+    site: str | None = None
+    site_delay: float = 0.0
 
 
 @dataclass(frozen=True)

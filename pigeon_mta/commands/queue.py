@@ -188,6 +188,7 @@ BUDGET_COLUMNS = [
     "concurrency",
     "effective",
     "sessions",
+    "waiting",
     "state",
     "throttling_reply",
 ]
@@ -212,6 +213,7 @@ def budget_row(b: store_budgets.BudgetState) -> dict[str, Any]:
         "concurrency": _limit(b.concurrency),
         "effective": _limit(b.effective_concurrency),
         "sessions": b.sessions,
+        "waiting": b.waiting,
         "state": state,
         "throttling_reply": _short(b.last_reply) if b.backoff and b.last_reply else "-",
     }

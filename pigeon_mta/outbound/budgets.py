@@ -105,6 +105,7 @@ class Budgets:
                     float(policy.burst),
                     slot=policy.cluster_concurrency > 0 or key in self._backing_off,
                     label=key if configured else "destination",
+                    prepaid=delivery.site == key,
                 )
             )
         lane = self.settings.lanes.get(delivery.lane)
@@ -140,7 +141,18 @@ class Budgets:
         result = await request.done
         if isinstance(result, Wait):
             BUDGET_POSTPONED.labels(budget=result.need.label, reason=result.kind).inc()
+            self._refund(needs, loop.time())
         return result
+
+    def _refund(self, needs: Iterable[Need], now: float) -> None:
+        """A token the claim took for a delivery that then waits is this process's spare."""
+        for need in needs:
+            held = self._held.get(need.key)
+            if need.prepaid and held is not None:
+                if held.tokens_until < now:
+                    held.tokens = 0
+                held.tokens += 1
+                held.tokens_until = now + SPARE_TOKEN_TTL
 
     def leave(self, passed: Pass, connection: ConnectionKey | None) -> None:
         """The delivery's transaction is over; its slots stay held a moment for the next one."""
@@ -157,16 +169,19 @@ class Budgets:
         """Take a token of each need and a slot of those with one, all or nothing."""
         helds = []
         for need in needs:
+            if need.prepaid and not need.slot:
+                continue
             held = self._held.get(need.key)
             if held is None:
                 return False
             if held.tokens_until < now:
                 held.tokens = 0
-            if held.tokens < 1 or (need.slot and not self._slot_free(held)):
+            if (held.tokens < 1 and not need.prepaid) or (need.slot and not self._slot_free(held)):
                 return False
             helds.append((need, held))
         for need, held in helds:
-            held.tokens -= 1
+            if not need.prepaid:
+                held.tokens -= 1
             if need.slot:
                 held.in_use += 1
         return True
@@ -208,7 +223,7 @@ class Budgets:
         for request in batch:
             for need in request.needs:
                 counts = wanted.setdefault(need.key, [0, 0])
-                counts[0] += 1
+                counts[0] += int(not need.prepaid)
                 counts[1] += int(need.slot)
                 needs[need.key] = need
         requests = []
@@ -273,13 +288,26 @@ class Budgets:
         backing_off = need.key in self._backing_off or (
             held.effective_rate > 0 and need.rate > 0 and held.effective_rate < need.rate
         )
+        site = need.key if need.key.startswith(DESTINATION) else None
         if held.held_until is not None and held.held_until > wall:
             reason = (
                 f"postponed: {name_of(need)} asked to retry later (a throttling reply); "
                 "not counted as an attempt"
             )
+            if site is not None:  # its queue is held as long
+                return Wait(wall, reason, need, "backoff", site)
             return Wait(self._spread(held, held.held_until), reason, need, "backoff")
-        if held.tokens < 1 and held.effective_rate > 0:
+        if held.tokens < 1 and held.effective_rate > 0 and not need.prepaid:
+            if site is not None:
+                # The site's queue: claimed again when the budget has room, untouched till then.
+                reason = (
+                    f"postponed: {name_of(need)} is backing off after throttling replies "
+                    f"(effective rate {held.effective_rate:g}/s); in its site queue"
+                    if backing_off
+                    else f"postponed: waiting for the rate budget of {name_of(need)} "
+                    f"({held.effective_rate:g}/s), in its site queue"
+                )
+                return Wait(wall, reason, need, "backoff" if backing_off else "rate", site)
             start = held.booked_from or wall
             until = self._spread(held, start)
             kind = "backoff" if backing_off else "rate"

@@ -55,6 +55,8 @@ def group_deliveries(
                 body=bodies[message_id],
                 recipients=tuple(row.recipient for row in members),
                 lane=first.lane,
+                site=first.site,
+                site_delay=max(row.site_delay for row in members),
             )
         )
     deliveries.sort(key=lambda d: (d.received_at, d.message_id))
@@ -70,6 +72,20 @@ class _Held:
     renewed_at: float
 
 
+@dataclass
+class _Postponing:
+    """A claim being handed back unattempted (see `Claims.postpone`)."""
+
+    recipient: ClaimedRecipient
+    due_at: datetime
+    reason: str | None
+    site: str | None
+    done: asyncio.Future[None]
+    # The delivery's (org, lane, domain): with a site, its group's other due rows to that
+    # domain join the site's queue too.
+    group: tuple[uuid.UUID, str, str] | None = None
+
+
 class Claims:
     """The recipients one engine holds under `owner`'s lease, until their outcome is recorded."""
 
@@ -81,9 +97,7 @@ class Claims:
         # Claims whose whole message went out and whose transaction has no result yet.
         self._sent: set[uuid.UUID] = set()
         # Postponed claims waiting for their batch's statement (see `postpone`).
-        self._postponing: list[
-            tuple[ClaimedRecipient, datetime, str | None, asyncio.Future[None]]
-        ] = []
+        self._postponing: list[_Postponing] = []
         self._postponer: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
@@ -120,12 +134,20 @@ class Claims:
             del self._held[result.recipient_id]
 
     async def postpone(
-        self, recipients: Sequence[ClaimedRecipient], due_at: datetime, reason: str | None
+        self,
+        recipients: Sequence[ClaimedRecipient],
+        due_at: datetime,
+        reason: str | None,
+        site: str | None = None,
+        group: tuple[uuid.UUID, str, str] | None = None,
     ) -> None:
-        """Release these claims unattempted, due at `due_at`, with the reason they wait. The
-        postponements of a claim round go back in one statement."""
+        """Release these claims unattempted, due at `due_at`, with the reason they wait (or, with
+        a `site`, into that site's queue, with the other due rows of their `group`: org, lane,
+        domain). The postponements of a claim round go back in one statement."""
         done = asyncio.get_running_loop().create_future()
-        self._postponing.extend((r, due_at, reason, done) for r in recipients)
+        self._postponing.extend(
+            _Postponing(r, due_at, reason, site, done, group) for r in recipients
+        )
         if self._postponer is None or self._postponer.done():
             self._postponer = asyncio.create_task(self._postpone_batches(), name="postpone")
         await asyncio.shield(done)
@@ -137,22 +159,30 @@ class Claims:
             try:
                 await store_leases.postpone_leases(
                     self.pool,
-                    [r.id for r, _, _, _ in batch],
+                    [p.recipient.id for p in batch],
                     owner=self.owner,
-                    attempts=[r.attempts for r, _, _, _ in batch],
-                    due_at=[due for _, due, _, _ in batch],
-                    reasons=[reason for _, _, reason, _ in batch],
+                    attempts=[p.recipient.attempts for p in batch],
+                    due_at=[p.due_at for p in batch],
+                    reasons=[p.reason for p in batch],
+                    sites=[p.site for p in batch],
                 )
+                moves = {
+                    (*p.group, p.site, p.reason)
+                    for p in batch
+                    if p.site is not None and p.group is not None
+                }
+                if moves:
+                    await store_leases.join_site_queues(self.pool, sorted(moves, key=str))
             except Exception as exc:
                 # No longer renewed, the claims run out and the lease sweeper queues them again.
                 if not isinstance(exc, DB_ERRORS):
                     log.exception("could not hand back %d claimed recipient(s)", len(batch))
                 else:
                     log.warning("could not hand back %d claimed recipient(s): %s", len(batch), exc)
-            for r, _, _, done in batch:
-                self._held.pop(r.id, None)
-                if not done.done():
-                    done.set_result(None)
+            for p in batch:
+                self._held.pop(p.recipient.id, None)
+                if not p.done.done():
+                    p.done.set_result(None)
 
     async def release_all(self) -> int:
         """At stop: every claim still held goes back to the queue now; returns how many did.

@@ -57,6 +57,8 @@ class Postponed:
 
     until: datetime
     reason: str = "postponed: its destination had no room"
+    # The budget key of the site whose queue the recipients join (waiting for its rate), if any.
+    site: str | None = None
 
 
 class Courier:
@@ -121,6 +123,9 @@ class Courier:
     async def _deliver(
         self, delivery: Delivery, started_at: datetime, sending: Callable[[], None]
     ) -> list[AttemptResult] | Postponed:
+        if delivery.site_delay > 0:
+            # Claimed from its site's queue with the token of a moment from now.
+            await asyncio.sleep(delivery.site_delay)
         route = await self.router.route(delivery.domain)
         if isinstance(route, RouteFailure):
             return self._judge(
@@ -184,7 +189,7 @@ class Courier:
         if budgets is not None:
             passed = await budgets.admit(delivery, policy)
         if isinstance(passed, Wait):
-            return Postponed(passed.until, passed.reason)
+            return Postponed(passed.until, passed.reason, passed.site)
         if passed is not None and passed.destination:
             return passed, None
         entered = await self.gates.enter(policy, self.delivery.throttle_wait)

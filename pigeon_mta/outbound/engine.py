@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 # Time kept back from the stop deadline to record results and release leases.
 STOP_RESERVE = 2.0
+# The shortest wait between two claims for the site queues.
+SITE_ROUND = 0.02
 
 
 async def unsigned(delivery: Delivery) -> Signed:
@@ -295,11 +297,15 @@ class DeliveryEngine:
                 await self._idle(delivery.poll_interval)
                 continue
             self._promised = 0
-            deliveries = group_deliveries(claimed, self._destination)
+            deliveries = group_deliveries(claimed.rows, self._destination)
             self.claims.hold(deliveries, loop.time())
             self._start(deliveries)
-            if len(claimed) < want:
-                await self._idle(delivery.poll_interval)
+            if len(claimed.rows) < want:
+                # A site queue whose budget had no more room has some again this soon.
+                wait = float(delivery.poll_interval)
+                if claimed.come_back is not None:
+                    wait = min(wait, max(SITE_ROUND, claimed.come_back))
+                await self._idle(wait)
                 # Woken (by new mail, most likely): let what is being queued right now join
                 # this claim instead of costing one each.
                 await self._pause(delivery.claim_wait)
@@ -358,7 +364,13 @@ class DeliveryEngine:
             done = await self.courier.deliver(delivery, sending=sending)
             if isinstance(done, Postponed):
                 # The destination has no room now: back to the queue until it should have.
-                await self.claims.postpone(delivery.recipients, done.until, done.reason)
+                await self.claims.postpone(
+                    delivery.recipients,
+                    done.until,
+                    done.reason,
+                    done.site,
+                    (delivery.org_id, delivery.lane, delivery.domain),
+                )
                 return
         finally:
             sending()

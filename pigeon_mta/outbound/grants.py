@@ -20,6 +20,8 @@ class Need:
     burst: float
     slot: bool  # a session slot too (a destination with a concurrency, or backing off)
     label: str  # the metric label: bounded (configured names only)
+    # Its token was taken by the claim (the delivery came from this site's queue).
+    prepaid: bool = False
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class Wait:
     reason: str
     need: Need
     kind: str  # rate | concurrency | backoff | unavailable
+    # The site queue to wait in (a destination budget's key) instead of until `until`.
+    site: str | None = None
 
 
 @dataclass

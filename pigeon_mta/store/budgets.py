@@ -249,6 +249,7 @@ class BudgetState:
     throttled_at: datetime | None
     held_until: datetime | None
     last_reply: str | None
+    waiting: int = 0  # recipients in its site queue (a destination's budget)
 
 
 _LIST = """
@@ -256,7 +257,9 @@ SELECT b.key, coalesce(o.name, b.key) AS name, coalesce(o.rate, b.rate) AS rate,
        b.concurrency, b.effective_rate,
        b.effective_concurrency, b.backoff, b.throttled_at, b.held_until, b.last_reply,
        (SELECT coalesce(sum(s.slots), 0)::integer FROM budget_slot s
-        WHERE s.key = b.key AND s.lease_until >= now()) AS sessions
+        WHERE s.key = b.key AND s.lease_until >= now()) AS sessions,
+       (SELECT count(*)::integer FROM recipient r
+        WHERE r.site = b.key AND r.status = 'queued') AS waiting
 FROM budget b
 LEFT JOIN org o ON b.key LIKE 'org:%' AND o.id::text = substr(b.key, 5)
 -- An org's configured rate is the org's own (a rate set back to 0 leaves its row behind).
@@ -281,6 +284,7 @@ async def list_budgets(db: Executor) -> list[BudgetState]:
             throttled_at=r["throttled_at"],
             held_until=r["held_until"],
             last_reply=r["last_reply"],
+            waiting=r["waiting"],
         )
         for r in await db.fetch(_LIST)
     ]

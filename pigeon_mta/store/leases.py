@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 
 import asyncpg
@@ -48,12 +49,13 @@ SUPPRESSION_ACTIVE = "(s.expires_at IS NULL OR s.expires_at > now())"
 # (bench/README.md "Queue").
 _CLAIM = f"""
 WITH RECURSIVE groups AS (
-    (SELECT org_id, lane, next_attempt_at AS oldest FROM recipient WHERE status = 'queued'
+    (SELECT org_id, lane, next_attempt_at AS oldest FROM recipient
+     WHERE status = 'queued' AND site IS NULL
      ORDER BY org_id, lane, next_attempt_at LIMIT 1)
     UNION ALL
     SELECT n.* FROM groups g CROSS JOIN LATERAL (
         SELECT org_id, lane, next_attempt_at FROM recipient
-        WHERE status = 'queued' AND (org_id, lane) > (g.org_id, g.lane)
+        WHERE status = 'queued' AND site IS NULL AND (org_id, lane) > (g.org_id, g.lane)
         ORDER BY org_id, lane, next_attempt_at LIMIT 1) n
 ), due AS (
     SELECT g.org_id, g.lane, COALESCE(w.weight, 1.0) AS weight,
@@ -62,8 +64,16 @@ WITH RECURSIVE groups AS (
     FROM groups g
     LEFT JOIN unnest($4::text[], $5::float8[]) AS w (lane, weight) ON w.lane = g.lane
     WHERE g.oldest <= now()
+), by_site AS MATERIALIZED (
+    -- Half the batch at most while due mail without a site waits, so neither starves.
+    SELECT * FROM site_pick(
+        CASE WHEN EXISTS (SELECT 1 FROM due) THEN ($3::int + 1) / 2 ELSE $3::int END,
+        $4::text[], $5::float8[], $6::float8)
+), batch AS (
+    SELECT $3::int - (SELECT count(*) FROM by_site WHERE id IS NOT NULL)::int AS n
 ), lanes AS (
-    SELECT lane, greatest(1, floor($3::int * weight / sum(weight) OVER ()))::int AS share
+    SELECT lane, greatest(1, floor((SELECT n FROM batch) * weight / sum(weight) OVER ()))::int
+               AS share
     FROM (SELECT DISTINCT lane, weight FROM due) l
 ), shares AS (
     SELECT d.org_id, d.lane, random() AS turn,
@@ -75,19 +85,20 @@ WITH RECURSIVE groups AS (
     CROSS JOIN LATERAL (
         SELECT id FROM recipient
         WHERE status = 'queued' AND org_id = s.org_id AND lane = s.lane
-          AND next_attempt_at <= now()
+          AND site IS NULL AND next_attempt_at <= now()
         ORDER BY next_attempt_at LIMIT s.share
         FOR UPDATE SKIP LOCKED) x
-    LIMIT $3
+    LIMIT (SELECT n FROM batch)
 ), rest AS (
     SELECT x.id FROM (SELECT * FROM shares ORDER BY turn) s
     CROSS JOIN LATERAL (
         SELECT id FROM recipient
         WHERE status = 'queued' AND org_id = s.org_id AND lane = s.lane
-          AND next_attempt_at <= now() AND id <> ALL (ARRAY (SELECT id FROM fair))
+          AND site IS NULL AND next_attempt_at <= now()
+          AND id <> ALL (ARRAY (SELECT id FROM fair))
         ORDER BY next_attempt_at LIMIT $3
         FOR UPDATE SKIP LOCKED) x
-    LIMIT greatest(0, $3 - (SELECT count(*) FROM fair))
+    LIMIT greatest(0, (SELECT n FROM batch) - (SELECT count(*) FROM fair))
 ), c AS (
     UPDATE recipient r
     SET status = 'delivering',
@@ -95,9 +106,10 @@ WITH RECURSIVE groups AS (
         lease_owner = $2,
         attempts = r.attempts + 1,
         updated_at = now()
-    WHERE r.id = ANY (ARRAY (SELECT id FROM fair UNION ALL SELECT id FROM rest))
+    WHERE r.id = ANY (ARRAY (SELECT id FROM fair UNION ALL SELECT id FROM rest
+                             UNION ALL SELECT id FROM by_site WHERE id IS NOT NULL))
     RETURNING r.id, r.message_id, r.domain, r.address, r.attempts, r.created_at, r.last_code,
-              r.last_enhanced_code, r.last_response, r.lane
+              r.last_enhanced_code, r.last_response, r.lane, r.site
 )
 SELECT m.id AS message_id, m.org_id, m.sender, m.header_message_id, m.received_at, c.domain,
        c.lane,
@@ -108,11 +120,34 @@ SELECT m.id AS message_id, m.org_id, m.sender, m.header_message_id, m.received_a
        CASE WHEN row_number() OVER (PARTITION BY m.id) = 1 THEN m.body END AS body,
        -- The org's suppression list, read by the claim itself (one statement less per round;
        -- if it cannot be read, nothing is claimed). Addresses compare as the list stores them.
-       s.reason AS suppressed
+       s.reason AS suppressed,
+       c.site, p.delay AS site_delay
 FROM c JOIN message m ON m.id = c.message_id
 LEFT JOIN suppression s ON s.org_id = m.org_id AND s.address = lower(c.address)
                        AND {SUPPRESSION_ACTIVE}
+LEFT JOIN by_site p ON p.id = c.id
+UNION ALL
+-- When the claim should come back for the sites it could not serve: one row without a
+-- recipient, if any.
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       NULL, NULL, min(delay)
+FROM by_site WHERE id IS NULL HAVING count(*) > 0
 """
+
+
+# How far ahead the site claim takes a site's tokens: the rows wait in the engine (at most this
+# long) for their token, so that the site sends at its rate between two claims.
+SITE_AHEAD = 0.25
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What one claim took: rows (one per recipient, in no particular order; each message's body
+    on one of them), and `come_back`: the seconds after which a site the claim could not serve
+    (its room used up or its budget held) should have room again, None when there is none."""
+
+    rows: list[ClaimedRow]
+    come_back: float | None
 
 
 async def claim_due_recipients(
@@ -122,35 +157,50 @@ async def claim_due_recipients(
     lease: float,
     batch: int,
     lane_weights: Mapping[str, float] | None = None,
-) -> list[ClaimedRow]:
+    ahead: float = SITE_AHEAD,
+) -> Claim:
     """Claim up to `batch` due recipients, shared fairly between (org, lane) groups by
-    `lane_weights` (a lane missing from it weighs 1): one row each, in no particular order. Each
-    message's body is on one of its rows; `group_deliveries` (outbound/claims.py) makes the
-    deliveries."""
+    `lane_weights` (a lane missing from it weighs 1), from the site queues as far as their
+    budgets have room (`ahead` seconds of tokens) and from the rest of the queue.
+    `group_deliveries` (outbound/claims.py) makes the deliveries."""
     weights = dict(lane_weights or {})
-    return [
-        ClaimedRow(
-            message_id=row["message_id"],
-            org_id=row["org_id"],
-            sender=row["sender"],
-            header_message_id=row["header_message_id"],
-            received_at=row["received_at"],
-            domain=row["domain"],
-            body=row["body"],
-            lane=row["lane"],
-            recipient=ClaimedRecipient(
-                id=row["id"],
-                address=row["address"],
-                attempts=row["attempts"],
-                queued_at=row["created_at"],
-                suppressed=row["suppressed"],
-                last_reply=_last_reply(row),
-            ),
+    rows = []
+    come_back = None
+    for row in await db.fetch(
+        _CLAIM,
+        float(lease),
+        owner,
+        batch,
+        list(weights),
+        [float(w) for w in weights.values()],
+        float(ahead),
+    ):
+        if row["id"] is None:
+            come_back = max(0.0, row["site_delay"])
+            continue
+        rows.append(
+            ClaimedRow(
+                message_id=row["message_id"],
+                org_id=row["org_id"],
+                sender=row["sender"],
+                header_message_id=row["header_message_id"],
+                received_at=row["received_at"],
+                domain=row["domain"],
+                body=row["body"],
+                lane=row["lane"],
+                site=row["site"],
+                site_delay=row["site_delay"] or 0.0,
+                recipient=ClaimedRecipient(
+                    id=row["id"],
+                    address=row["address"],
+                    attempts=row["attempts"],
+                    queued_at=row["created_at"],
+                    suppressed=row["suppressed"],
+                    last_reply=_last_reply(row),
+                ),
+            )
         )
-        for row in await db.fetch(
-            _CLAIM, float(lease), owner, batch, list(weights), [float(w) for w in weights.values()]
-        )
-    ]
+    return Claim(rows, come_back)
 
 
 def _last_reply(row: asyncpg.Record) -> Reply | None:
@@ -187,15 +237,20 @@ async def renew_leases(
 
 # Undo claims that were never attempted: the attempt did not happen, so the counter goes back down.
 # Each row is due again at its due_at (NULL: when it was due before, i.e. at once), with the
-# reason it waits (a budget without room now, a destination backing off; NULL: none). The engine
-# spreads a batch's due times over the budget's refill. The reason is cleared when an attempt is
-# recorded (_RECORD).
+# reason it waits (a budget without room now, a destination backing off; NULL: none). A row that
+# waits for its destination's rate budget joins that site's queue (`site`, migration 0024) and is
+# due at once: the site claim takes it when the budget has room. A row already in a site queue
+# stays in it. The reason and the site are cleared when an attempt is recorded
+# (store/outcomes.py).
 _RELEASE_FENCED = """
 UPDATE recipient r
 SET status = 'queued', attempts = r.attempts - 1, lease_until = NULL, lease_owner = NULL,
-    next_attempt_at = COALESCE(v.due_at, r.next_attempt_at), postponed = v.reason,
+    next_attempt_at = CASE WHEN v.site IS NOT NULL THEN now()
+                           ELSE COALESCE(v.due_at, r.next_attempt_at) END,
+    postponed = v.reason, site = COALESCE(v.site, r.site),
     updated_at = now()
-FROM unnest($1::uuid[], $3::int[], $4::timestamptz[], $5::text[]) AS v (id, attempt, due_at, reason)
+FROM unnest($1::uuid[], $3::int[], $4::timestamptz[], $5::text[], $6::text[])
+    AS v (id, attempt, due_at, reason, site)
 WHERE r.id = v.id AND r.attempts = v.attempt AND r.status = 'delivering' AND r.lease_owner = $2
 """
 
@@ -206,7 +261,7 @@ async def release_leases(
     """Undo these very claims, never attempted (see _RENEW_FENCED): the attempt counter goes back
     down and the rows are due again at once (graceful shutdown)."""
     none = [None] * len(ids)
-    tag = await db.execute(_RELEASE_FENCED, list(ids), owner, list(attempts), none, none)
+    tag = await db.execute(_RELEASE_FENCED, list(ids), owner, list(attempts), none, none, none)
     return _count(tag)
 
 
@@ -218,11 +273,70 @@ async def postpone_leases(
     attempts: Sequence[int],
     due_at: Sequence[datetime],
     reasons: Sequence[str | None],
+    sites: Sequence[str | None] | None = None,
 ) -> int:
     """Undo these very claims like `release_leases`, each due at its `due_at`, with the reason
-    it waits."""
+    it waits; a row with a site (a budget key) joins that site's queue instead, due at once."""
     tag = await db.execute(
-        _RELEASE_FENCED, list(ids), owner, list(attempts), list(due_at), list(reasons)
+        _RELEASE_FENCED,
+        list(ids),
+        owner,
+        list(attempts),
+        list(due_at),
+        list(reasons),
+        list(sites) if sites is not None else [None] * len(ids),
+    )
+    return _count(tag)
+
+
+# Rows that wait for the same site as a delivery just handed back to it, moved into its queue
+# without a claim each: among the first $5 due rows of the delivery's (org, lane) group
+# (recipient_due_group), those to the same domain. A backlog to a busy site thus costs each row
+# one write to join the queue, not a claim and a hand-back. Rows a claim holds this moment are
+# passed over (SKIP LOCKED); the claim that took them hands them back itself.
+_JOIN_SITE = """
+WITH m AS (
+    SELECT DISTINCT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $6::text[])
+        AS m (org_id, lane, domain, site, reason)
+), candidate AS (
+    SELECT q.id, m.site, m.reason FROM m CROSS JOIN LATERAL (
+        SELECT id FROM recipient
+        WHERE status = 'queued' AND site IS NULL AND org_id = m.org_id AND lane = m.lane
+          AND domain = m.domain
+          AND next_attempt_at <= least(now(), COALESCE((
+              SELECT next_attempt_at FROM recipient
+              WHERE status = 'queued' AND site IS NULL AND org_id = m.org_id AND lane = m.lane
+              ORDER BY next_attempt_at OFFSET $5 LIMIT 1), now()))
+        ORDER BY next_attempt_at LIMIT $5
+        FOR UPDATE SKIP LOCKED) q
+)
+UPDATE recipient r SET site = c.site, postponed = c.reason, updated_at = now()
+FROM candidate c WHERE r.id = c.id
+"""
+
+# How many of a group's due rows one move looks at.
+JOIN_SITE_SCAN = 5000
+
+
+async def join_site_queues(
+    db: Executor,
+    groups: Sequence[tuple[uuid.UUID, str, str, str, str | None]],
+    *,
+    scan: int = JOIN_SITE_SCAN,
+) -> int:
+    """Move the due rows of each (org, lane, domain) into the queue of the site named with it
+    (with the reason they wait), as `_JOIN_SITE` says; returns how many moved."""
+    if not groups:
+        return 0
+    columns = list(zip(*groups, strict=True))
+    tag = await db.execute(
+        _JOIN_SITE,
+        list(columns[0]),
+        list(columns[1]),
+        list(columns[2]),
+        list(columns[3]),
+        scan,
+        list(columns[4]),
     )
     return _count(tag)
 

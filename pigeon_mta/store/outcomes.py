@@ -67,6 +67,7 @@ WITH v AS (
         last_enhanced_code = v.enhanced_code,
         last_response = v.response,
         postponed = NULL,
+        site = NULL,
         updated_at = now()
     FROM v
     WHERE r.id = v.recipient_id AND r.status = $21 AND r.attempts = v.attempt

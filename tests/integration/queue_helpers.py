@@ -20,11 +20,10 @@ async def claim(
 ) -> list[Delivery]:
     """Claim due recipients, grouped into one Delivery per (message, domain) as the engine
     groups them when no static route joins domains."""
-    return group_deliveries(
-        await leases.claim_due_recipients(
-            db, owner=owner, lease=lease, batch=batch, lane_weights=LANE_WEIGHTS
-        )
+    claimed = await leases.claim_due_recipients(
+        db, owner=owner, lease=lease, batch=batch, lane_weights=LANE_WEIGHTS
     )
+    return group_deliveries(claimed.rows)
 
 
 async def bulk_queue(

@@ -21,9 +21,10 @@ OWNER = "fair-test/run"
 
 
 async def claim_rows(pool: asyncpg.Pool, batch: int) -> list[ClaimedRow]:
-    return await leases.claim_due_recipients(
+    claimed = await leases.claim_due_recipients(
         pool, owner=OWNER, lease=300, batch=batch, lane_weights=LANE_WEIGHTS
     )
+    return claimed.rows
 
 
 def groups(rows: list[ClaimedRow]) -> Counter[tuple[uuid.UUID, str]]:

@@ -392,6 +392,7 @@ async def test_claim_query_uses_the_partial_index(pool: asyncpg.Pool, org_id: uu
             100,
             ["transactional", "bulk"],
             [10.0, 1.0],
+            0.5,
         )
         await conn.execute("ROLLBACK AND CHAIN")
     nodes = list(_plan_nodes(json.loads(plan) if isinstance(plan, str) else plan))
@@ -527,7 +528,7 @@ async def test_fenced_statements_look_up_their_rows_by_primary_key_with_many_in_
         renew = await _recipient_scans(conn, leases._RENEW_FENCED, ids, OWNER, 300.0, attempts)
         none = [None] * len(ids)
         release = await _recipient_scans(
-            conn, leases._RELEASE_FENCED, ids, OWNER, attempts, none, none
+            conn, leases._RELEASE_FENCED, ids, OWNER, attempts, none, none, none
         )
         sweep = await _recipient_scans(conn, leases._SWEEP, 100)
         count = await _recipient_scans(conn, upkeep._STATS)
