@@ -42,6 +42,8 @@ log = logging.getLogger("pigeon_mta.api")
 
 # Room for a message of limits.max_message_size as base64 in JSON (4/3 of it) and its fields.
 _BODY_SLACK = 1024 * 1024
+# How long a connection cut off with an answer stays open, unread, for the client to read it.
+CUT_OFF_LINGER = 1.0
 _NO_LIMIT_BODY = 1024**3
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -156,10 +158,18 @@ def _body_after_key(
 
 
 async def _answer_and_close(request: web.Request, response: web.Response) -> web.Response:
-    """Send `response` and close the connection at once, whatever of the body is unread."""
+    """Send `response` and close the connection, whatever of the body is unread: the answer goes
+    out with a FIN after it, reading stops, and the socket is closed CUT_OFF_LINGER later. Closed
+    at once, a socket with unread bytes sends a reset, which can reach the client before it has
+    read the answer, and the kernel then throws the answer away."""
     response.force_close()
     await response.prepare(request)
     await response.write_eof()
+    transport = request.transport
+    if transport is not None and not transport.is_closing() and transport.can_write_eof():
+        transport.pause_reading()
+        transport.write_eof()
+        await asyncio.sleep(CUT_OFF_LINGER)
     request.protocol.force_close()
     return response
 
@@ -178,11 +188,12 @@ async def _read_then_handle(
         log.info(
             "API request from [%s] cut off: its body took over %g s", request.remote, read_timeout
         )
-        problem = Problem(
+        # Raised, not answered here: the body's room is given back before the answer's linger
+        # (_problems answers and closes, the body unread).
+        raise Problem(
             problems.REQUEST_TIMEOUT,
             f"The request body did not arrive within {read_timeout:g} seconds.",
-        )
-        return await _answer_and_close(request, problem.response())
+        ) from None
     request[_BODY_READ] = True
     return await handler(request)
 
