@@ -254,6 +254,13 @@ class DeliverySettings:
     # sent when the throttling began), each quiet period again until they are back.
     backoff_quiet: Duration = Duration(30)
     backoff_step: float = 0.1
+    # A site whose connections fail (refused, timed out, broken before a reply) this many times
+    # in a row, cluster-wide, with none healthy between, is parked: its mail waits in the site's
+    # queue, unattempted and unwritten, while one probe delivery is tried after park_for, then
+    # after twice as long each failed probe, up to park_max (0: never parked).
+    park_after: int = 5
+    park_for: Duration = Duration(30)
+    park_max: Duration = Duration(600)
     # Per-destination policy, keyed by a recipient domain or a shell-style pattern matched against
     # the recipient domain and the names of its MX hosts ("*.google.com" groups every domain that
     # Google hosts). See DestinationSettings.

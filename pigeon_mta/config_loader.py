@@ -390,6 +390,12 @@ def _check_outbound(delivery: DeliverySettings) -> None:
         raise ConfigError("'delivery.backoff_step' must be more than 0 and at most 1")
     if delivery.backoff_quiet <= 0:
         raise ConfigError("'delivery.backoff_quiet' must be more than zero")
+    if delivery.park_after < 0:
+        raise ConfigError("'delivery.park_after' must be 0 (never park) or more")
+    if delivery.park_for <= 0 or delivery.park_max < delivery.park_for:
+        raise ConfigError(
+            "'delivery.park_for' must be more than zero and 'delivery.park_max' at least as long"
+        )
 
 
 def _check_webhooks(settings: Settings) -> None:

@@ -202,7 +202,9 @@ def budget_row(b: store_budgets.BudgetState) -> dict[str, Any]:
         kind = "site"
     name = b.name.removeprefix("pattern:").removeprefix("mx:").removeprefix("site:")
     state = "ok"
-    if b.backoff:
+    if b.parked_until is not None:
+        state = f"parked, probe at {_clock(b.parked_until)}: {_short(b.parked_reason or '')}"
+    elif b.backoff:
         state = f"backing off since {_clock(b.throttled_at)}"
         if b.held_until is not None and b.held_until > datetime.now(UTC):
             state += f", held until {_clock(b.held_until)}"

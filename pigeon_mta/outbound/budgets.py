@@ -33,8 +33,9 @@ from pigeon_mta.metrics import BUDGET_POSTPONED, BUDGETS_BACKING_OFF
 from pigeon_mta.model import Delivery, Reply
 from pigeon_mta.node import STALE_AFTER
 from pigeon_mta.outbound.connect import ConnectionKey
-from pigeon_mta.outbound.grants import Held, Need, Pass, Wait, name_of
+from pigeon_mta.outbound.grants import Held, Need, Pass, Wait, name_of, wait_for
 from pigeon_mta.outbound.limits import DestinationPolicy
+from pigeon_mta.outbound.parking import SiteHealth
 from pigeon_mta.outbound.pool import ConnectionPool
 from pigeon_mta.outbound.throttling import ThrottlingReports
 from pigeon_mta.store import budgets as store
@@ -51,8 +52,6 @@ BATCH_WINDOW = 0.005
 SPARE_TOKEN_TTL = 1.0
 # An unused slot is given back after this long (and its idle connections closed).
 SLOT_LINGER = 0.5
-# Mail handed back for want of a slot is due again this soon at the earliest.
-SLOT_RETRY = 0.2
 # How far ahead mail handed back for want of tokens is booked at most.
 BOOKING_HORIZON = 60.0
 # Due time of mail handed back when the budgets cannot be read (the database away).
@@ -79,6 +78,8 @@ class Budgets:
         self.holder = f"{owner}#{os.getpid()}"
         self._held: dict[str, Held] = {}
         self.throttling = ThrottlingReports(settings, pool)
+        self.health = SiteHealth(settings, pool)
+        self._parked: frozenset[str] = frozenset()
         self._org_rates: dict[uuid.UUID, float] = {}
         self._backing_off: frozenset[str] = frozenset()
         self._refreshed = -REFRESH_INTERVAL
@@ -96,7 +97,7 @@ class Budgets:
         needs: list[Need] = []
         key = DESTINATION + policy.key
         configured = policy.rate > 0 or policy.cluster_concurrency > 0
-        if configured or key in self._backing_off:
+        if configured or key in self._backing_off or key in self._parked:
             needs.append(
                 Need(
                     key,
@@ -263,6 +264,7 @@ class Budgets:
             held.effective_rate = grant.effective_rate
             held.effective_concurrency = grant.effective_concurrency
             held.held_until = grant.held_until
+            held.parked_until = grant.parked_until
             if held.booked_from != grant.booked_from:
                 held.booked_from, held.booked = grant.booked_from, 0
             held.slot_waits = 0
@@ -276,70 +278,20 @@ class Budgets:
 
     def _wait(self, needs: tuple[Need, ...], now: float) -> Wait:
         """When the delivery should find room: the latest of its budgets' answers."""
-        waits = [w for w in (self._wait_for(need, now) for need in needs) if w is not None]
+        waits = []
+        for need in needs:
+            held = self._held[need.key]
+            backing_off = need.key in self._backing_off or (
+                held.effective_rate > 0 and need.rate > 0 and held.effective_rate < need.rate
+            )
+            free = not need.slot or self._slot_free(held)
+            wait = wait_for(need, held, backing_off=backing_off, slot_free=free)
+            if wait is not None:
+                waits.append(wait)
         if not waits:  # every budget had room, yet not all at once: a moment later
             until = datetime.now(UTC) + timedelta(seconds=SLOT_LINGER)
             return Wait(until, f"postponed: waiting for {name_of(needs[0])}", needs[0], "rate")
         return max(waits, key=lambda w: w.until)
-
-    def _wait_for(self, need: Need, now: float) -> Wait | None:
-        held = self._held[need.key]
-        wall = datetime.now(UTC)
-        backing_off = need.key in self._backing_off or (
-            held.effective_rate > 0 and need.rate > 0 and held.effective_rate < need.rate
-        )
-        site = need.key if need.key.startswith(DESTINATION) else None
-        if held.held_until is not None and held.held_until > wall:
-            reason = (
-                f"postponed: {name_of(need)} asked to retry later (a throttling reply); "
-                "not counted as an attempt"
-            )
-            if site is not None:  # its queue is held as long
-                return Wait(wall, reason, need, "backoff", site)
-            return Wait(self._spread(held, held.held_until), reason, need, "backoff")
-        if held.tokens < 1 and held.effective_rate > 0 and not need.prepaid:
-            if site is not None:
-                # The site's queue: claimed again when the budget has room, untouched till then.
-                reason = (
-                    f"postponed: {name_of(need)} is backing off after throttling replies "
-                    f"(effective rate {held.effective_rate:g}/s); in its site queue"
-                    if backing_off
-                    else f"postponed: waiting for the rate budget of {name_of(need)} "
-                    f"({held.effective_rate:g}/s), in its site queue"
-                )
-                return Wait(wall, reason, need, "backoff" if backing_off else "rate", site)
-            start = held.booked_from or wall
-            until = self._spread(held, start)
-            kind = "backoff" if backing_off else "rate"
-            reason = (
-                f"postponed: {name_of(need)} is backing off after throttling replies "
-                f"(effective rate {held.effective_rate:g}/s)"
-                if backing_off
-                else f"postponed: waiting for the rate budget of {name_of(need)} "
-                f"({held.effective_rate:g}/s)"
-            )
-            return Wait(until, reason, need, kind)
-        if need.slot and not self._slot_free(held):
-            # A session ends about every (session time / concurrency); half a second each is
-            # what a loaded destination's transactions take.
-            per_slot = 0.5 / max(1, held.effective_concurrency or 1)
-            held.slot_waits += 1
-            until = wall + timedelta(seconds=SLOT_RETRY + held.slot_waits * per_slot)
-            kind = "backoff" if backing_off else "concurrency"
-            reason = (
-                f"postponed: waiting for a session slot of {name_of(need)} "
-                f"({held.effective_concurrency} at once, cluster-wide)"
-            )
-            return Wait(until, reason, need, kind)
-        return None
-
-    @staticmethod
-    def _spread(held: Held, start: datetime) -> datetime:
-        """The next booked time of this budget: a token apart after `start`."""
-        rate = held.effective_rate or 1.0
-        until = start + timedelta(seconds=held.booked / rate)
-        held.booked += 1
-        return until
 
     # ------------------------------------------------------------ what is in force
 
@@ -368,6 +320,8 @@ class Budgets:
         self._read_once = True
         self._org_rates = dict(in_force.org_rates)
         self._backing_off = in_force.backing_off
+        self._parked = in_force.parked
+        self.health.failing |= in_force.parked
         BUDGETS_BACKING_OFF.set(len(in_force.backing_off))
 
     # ------------------------------------------------------------ throttling
@@ -434,6 +388,7 @@ class Budgets:
     async def close(self) -> None:
         """Give every slot back (at stop; a killed process's slots lapse with their lease)."""
         await self.throttling.close()
+        await self.health.close()
         for task in (self._keeper, self._flusher, self._refresh):
             if task is not None:
                 task.cancel()

@@ -174,9 +174,14 @@ class Courier:
         finally:
             if gate is not None:
                 self.gates.leave(gate, outcome, tx.duration)
-        if budgets is not None and throttled is not None:
-            # It lowers the destination's budget for the whole cluster.
-            budgets.throttled(policy, throttled, stated_retry_delay(throttled.text) or 0.0)
+        if budgets is not None:
+            if throttled is not None:
+                # It lowers the destination's budget for the whole cluster.
+                budgets.throttled(policy, throttled, stated_retry_delay(throttled.text) or 0.0)
+            if outcome == "connection-error":
+                budgets.health.failed(policy.key, results[0].reply.text if results else "")
+            else:
+                budgets.health.healthy(policy.key)
         return results
 
     async def _enter(

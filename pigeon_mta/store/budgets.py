@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+import asyncpg
+
 from pigeon_mta.store.executor import Executor
 
 # Every key of a budget starts with its kind.
@@ -47,6 +49,7 @@ class Grant:
     effective_rate: float  # 0: no limit
     effective_concurrency: int  # 0: no limit
     held_until: datetime | None  # a retry delay the destination stated
+    parked_until: datetime | None = None  # a dead site's next probe (report_connections)
 
 
 async def take_grants(
@@ -89,6 +92,7 @@ async def take_grants(
             effective_rate=row["effective_rate"],
             effective_concurrency=row["effective_concurrency"],
             held_until=row["held_until"],
+            parked_until=row["parked_until"],
         )
         for row in rows
     }
@@ -217,11 +221,104 @@ async def report_throttling(
 
 
 @dataclass(frozen=True)
+class Connections:
+    """What one engine's connections to one site did since its last report."""
+
+    key: str
+    failed: int  # connections that failed in a row at the end (0: the last one was healthy)
+    healthy: bool  # one was healthy: the count starts again from `failed`
+    reason: str  # the last failure, as the log shows it
+
+
+# Failed connections in a row, cluster-wide; a healthy one starts the count again and ends a
+# parking. A site that reaches $5 failures is parked for $6 seconds; a failed probe (site_pick
+# marks it `probing`) parks it twice as long as the last time, $7 seconds at the most. Failures
+# of deliveries that were under way when it was parked change nothing. The rows are locked in key
+# order first (budget_take's order), so concurrent reports add up.
+_ENSURE = """
+INSERT INTO budget (key, tokens) SELECT k, 0 FROM unnest($1::text[]) AS k ORDER BY 1
+ON CONFLICT (key) DO NOTHING
+"""
+_CONNECTIONS = """
+WITH v AS (
+    SELECT * FROM unnest($1::text[], $2::int[], $3::bool[], $4::text[])
+        AS v (key, failed, healthy, reason)
+), c AS (
+    SELECT * FROM budget WHERE key = ANY ($1::text[]) ORDER BY key FOR UPDATE
+), x AS (
+    SELECT v.key, v.reason, c.parked_until IS NOT NULL AS was_parked,
+           CASE WHEN v.healthy THEN v.failed ELSE c.failures + v.failed END AS total,
+           v.healthy, v.failed, c.parked_until, c.probing, c.park_seconds
+    FROM v JOIN c USING (key)
+), y AS (
+    SELECT x.*,
+           CASE WHEN x.healthy THEN 0
+                WHEN x.parked_until IS NULL THEN
+                    CASE WHEN $5 > 0 AND x.total >= $5 THEN $6::float8 ELSE 0 END
+                WHEN x.probing AND x.failed > 0 THEN least($7, greatest($6, x.park_seconds * 2))
+                ELSE x.park_seconds END AS secs
+    FROM x
+)
+UPDATE budget b
+SET failures = y.total,
+    park_seconds = y.secs,
+    parked_until = CASE WHEN y.secs = 0 THEN NULL
+                        WHEN y.parked_until IS NULL OR (y.probing AND y.failed > 0)
+                            THEN now() + make_interval(secs => y.secs)
+                        ELSE y.parked_until END,
+    probing = CASE WHEN y.secs = 0 OR y.failed > 0 THEN false ELSE b.probing END,
+    parked_reason = CASE WHEN y.secs = 0 THEN NULL
+                         WHEN y.parked_until IS NULL OR (y.probing AND y.failed > 0) THEN y.reason
+                         ELSE b.parked_reason END,
+    updated_at = now()
+FROM y WHERE b.key = y.key
+RETURNING b.key, b.parked_until, y.was_parked
+"""
+
+
+@dataclass(frozen=True)
+class ParkingChange:
+    key: str
+    parked_until: datetime | None  # None: not parked (any more)
+    was_parked: bool
+
+
+async def report_connections(
+    db: asyncpg.Pool,
+    reports: Sequence[Connections],
+    *,
+    park_after: int,
+    park_for: float,
+    park_max: float,
+) -> list[ParkingChange]:
+    """Count each site's failed connections in a row and park or unpark it (one transaction);
+    returns each site's parking after the report."""
+    if not reports:
+        return []
+    reports = sorted(reports, key=lambda r: r.key)
+    keys = [r.key for r in reports]
+    async with db.acquire() as conn, conn.transaction():
+        await conn.execute(_ENSURE, keys)
+        rows = await conn.fetch(
+            _CONNECTIONS,
+            keys,
+            [r.failed for r in reports],
+            [r.healthy for r in reports],
+            [r.reason for r in reports],
+            park_after,
+            float(park_for),
+            float(park_max),
+        )
+    return [ParkingChange(r["key"], r["parked_until"], r["was_parked"]) for r in rows]
+
+
+@dataclass(frozen=True)
 class InForce:
     """Budgets an engine must ask for that its configuration does not name."""
 
     org_rates: dict[uuid.UUID, float]
     backing_off: frozenset[str]
+    parked: frozenset[str] = frozenset()
 
 
 async def budgets_in_force(db: Executor, *, step: float, quiet: float) -> InForce:
@@ -231,6 +328,7 @@ async def budgets_in_force(db: Executor, *, step: float, quiet: float) -> InForc
     return InForce(
         org_rates={uuid.UUID(r["key"]): r["rate"] for r in rows if r["kind"] == "org"},
         backing_off=frozenset(r["key"] for r in rows if r["kind"] == "backoff"),
+        parked=frozenset(r["key"] for r in rows if r["kind"] == "parked"),
     )
 
 
@@ -250,12 +348,15 @@ class BudgetState:
     held_until: datetime | None
     last_reply: str | None
     waiting: int = 0  # recipients in its site queue (a destination's budget)
+    parked_until: datetime | None = None  # a dead site's next probe
+    parked_reason: str | None = None
 
 
 _LIST = """
 SELECT b.key, coalesce(o.name, b.key) AS name, coalesce(o.rate, b.rate) AS rate,
        b.concurrency, b.effective_rate,
        b.effective_concurrency, b.backoff, b.throttled_at, b.held_until, b.last_reply,
+       b.parked_until, b.parked_reason,
        (SELECT coalesce(sum(s.slots), 0)::integer FROM budget_slot s
         WHERE s.key = b.key AND s.lease_until >= now()) AS sessions,
        (SELECT count(*)::integer FROM recipient r
@@ -264,8 +365,8 @@ FROM budget b
 LEFT JOIN org o ON b.key LIKE 'org:%' AND o.id::text = substr(b.key, 5)
 -- An org's configured rate is the org's own (a rate set back to 0 leaves its row behind).
 WHERE CASE WHEN b.key LIKE 'org:%' THEN coalesce(o.rate, 0) > 0
-           ELSE b.backoff OR b.rate > 0 OR b.concurrency > 0 END
-ORDER BY b.backoff DESC, b.key
+           ELSE b.backoff OR b.rate > 0 OR b.concurrency > 0 OR b.parked_until IS NOT NULL END
+ORDER BY b.parked_until IS NOT NULL DESC, b.backoff DESC, b.key
 """
 
 
@@ -285,6 +386,8 @@ async def list_budgets(db: Executor) -> list[BudgetState]:
             held_until=r["held_until"],
             last_reply=r["last_reply"],
             waiting=r["waiting"],
+            parked_until=r["parked_until"],
+            parked_reason=r["parked_reason"],
         )
         for r in await db.fetch(_LIST)
     ]

@@ -19,10 +19,21 @@ ALTER INDEX recipient_due_general RENAME TO recipient_due_group;
 CREATE INDEX recipient_site_due ON recipient (site, org_id, lane, next_attempt_at)
     WHERE status = 'queued' AND site IS NOT NULL;
 
+-- Dead sites (store/budgets.py, report_connections): failed connections in a row, cluster-wide,
+-- and while parked, when its next probe is due and why it was parked. A parked site's mail waits
+-- in its queue; site_pick claims one probe delivery when parked_until has passed.
+ALTER TABLE budget ADD COLUMN failures integer NOT NULL DEFAULT 0;
+ALTER TABLE budget ADD COLUMN parked_until timestamptz;
+ALTER TABLE budget ADD COLUMN parked_reason text;
+-- How long the current parking lasts (doubled by each failed probe), and whether its probe is out.
+ALTER TABLE budget ADD COLUMN park_seconds double precision NOT NULL DEFAULT 0;
+ALTER TABLE budget ADD COLUMN probing boolean NOT NULL DEFAULT false;
+
 -- A budget's tokens may now be below zero: the site claim takes the tokens of the next
 -- p_ahead seconds and the rows it claims wait for them in the engine (a token apart). The
 -- earlier budget_take forgave such a debt at its next refill; this one keeps it, and never
--- grants less than nothing. Otherwise unchanged from migration 0023.
+-- grants less than nothing. While the site is parked it grants no tokens (a delivery then waits in
+-- the site's queue) and says until when. Otherwise unchanged from migration 0023.
 DROP FUNCTION budget_take(text[], double precision[], integer[], double precision[], integer[],
                           integer[], text, double precision, double precision, double precision,
                           double precision, double precision);
@@ -33,7 +44,8 @@ CREATE FUNCTION budget_take(
     p_stale double precision DEFAULT 30
 ) RETURNS TABLE (key text, tokens integer, slots integer, held integer,
                  booked_from timestamptz, effective_rate double precision,
-                 effective_concurrency integer, held_until timestamptz)
+                 effective_concurrency integer, held_until timestamptz,
+                 parked_until timestamptz)
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
@@ -71,7 +83,10 @@ BEGIN
         on_hold := b.held_until IS NOT NULL AND b.held_until > t;
         granted := v.want;
         booked := t;
-        IF b.effective_rate > 0 THEN
+        IF b.parked_until IS NOT NULL THEN
+            granted := 0;
+            booked := greatest(t, b.parked_until);
+        ELSIF b.effective_rate > 0 THEN
             burst := CASE WHEN b.backoff THEN greatest(1, b.effective_rate)
                           ELSE greatest(1, v.burst) END;
             b.tokens := least(burst, b.tokens
@@ -131,6 +146,7 @@ BEGIN
         effective_rate := b.effective_rate;
         effective_concurrency := b.effective_concurrency;
         held_until := b.held_until;
+        parked_until := b.parked_until;
         RETURN NEXT;
     END LOOP;
 END
@@ -149,9 +165,10 @@ $$;
 -- interleaved by their shares), which the engine waits before it sends. A row without an id says
 -- when the claim should come back for a site it could not serve (its room used up, its budget on
 -- hold or locked). A site whose budget has no rate any more (or no row) gives its rows back to the
--- general claim.
+-- general claim. A parked site gives nothing until its parked_until, then one row, its probe, and
+-- its next probe is due p_probe seconds later unless the probe's connection decides first.
 CREATE FUNCTION site_pick(p_limit integer, p_lanes text[], p_weights double precision[],
-                          p_ahead double precision)
+                          p_ahead double precision, p_probe double precision DEFAULT 60)
 RETURNS TABLE (id uuid, delay double precision)
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
@@ -195,6 +212,26 @@ BEGIN
             CONTINUE;
         END IF;
         t := greatest(clock_timestamp(), b.refilled_at);
+        IF b.parked_until IS NOT NULL THEN
+            IF b.parked_until > t THEN
+                id := NULL; delay := extract(epoch FROM b.parked_until - t); RETURN NEXT;
+                CONTINUE;
+            END IF;
+            -- The probe: the oldest due row of the site, and no other until it has told.
+            RETURN QUERY
+                SELECT x.id, 0::float8 FROM (
+                    SELECT r.id FROM recipient r
+                    WHERE r.status = 'queued' AND r.site = s.site AND r.next_attempt_at <= t
+                    ORDER BY r.site, r.org_id, r.lane, r.next_attempt_at LIMIT 1
+                    FOR UPDATE SKIP LOCKED) x;
+            IF FOUND THEN
+                UPDATE budget u SET parked_until = t + make_interval(secs => p_probe),
+                                    probing = true, updated_at = t
+                WHERE u.key = s.site;
+                left_over := left_over - 1;
+            END IF;
+            CONTINUE;
+        END IF;
         IF b.effective_rate <= 0 THEN
             UPDATE recipient r SET site = NULL, updated_at = now()
             WHERE r.id = ANY (ARRAY (
@@ -291,3 +328,21 @@ BEGIN
     END LOOP;
 END
 $$;
+
+-- What engines must ask for beyond their configuration (migration 0018), and now also the sites
+-- that are parked ('parked', key, 0): an engine routes their mail into the site's queue.
+DROP FUNCTION budget_in_force(double precision, double precision);
+CREATE FUNCTION budget_in_force(p_step double precision, p_quiet double precision)
+RETURNS TABLE (kind text, key text, rate double precision)
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM budget_recover(NULL, p_step, p_quiet);
+    RETURN QUERY
+        SELECT 'org'::text, o.id::text, o.rate FROM org o WHERE o.rate > 0
+        UNION ALL
+        SELECT 'backoff'::text, b.key, b.effective_rate FROM budget b WHERE b.backoff
+        UNION ALL
+        SELECT 'parked'::text, b.key, 0::float8 FROM budget b WHERE b.parked_until IS NOT NULL;
+END
+$$;
+CREATE INDEX budget_parked ON budget (key) WHERE parked_until IS NOT NULL;
