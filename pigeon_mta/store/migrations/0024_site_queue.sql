@@ -170,7 +170,10 @@ $$;
 CREATE FUNCTION site_pick(p_limit integer, p_lanes text[], p_weights double precision[],
                           p_ahead double precision, p_probe double precision DEFAULT 60)
 RETURNS TABLE (id uuid, delay double precision)
-LANGUAGE plpgsql AS $$
+-- Its skip scans are cheap, but the planner prices a recursive walk high: past jit_above_cost,
+-- each call spent 6 ms compiling it (the whole claim takes 2-3) on a connection with JIT on (the
+-- service's own connections have it off, store/connect.py).
+LANGUAGE plpgsql SET jit = off AS $$
 #variable_conflict use_column
 DECLARE
     s record;
