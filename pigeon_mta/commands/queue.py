@@ -1,4 +1,5 @@
-"""`queue` (summary), `queue list`, `queue show`, `queue retry`, `queue cancel`."""
+"""`queue` (summary), `queue list`, `queue show`, `queue retry`, `queue cancel`; `queue suspend`
+and `queue resume` are in commands/suspend.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
+from pigeon_mta.commands import suspend
 from pigeon_mta.commands.common import (
     CliError,
     add_common,
@@ -23,7 +25,7 @@ from pigeon_mta.commands.common import (
 )
 from pigeon_mta.commands.suppress import org_named
 from pigeon_mta.config import Duration
-from pigeon_mta.store import admin_queue
+from pigeon_mta.store import admin_queue, suspensions
 from pigeon_mta.store import budgets as store_budgets
 from pigeon_mta.store.admin_queue import Selection
 
@@ -80,6 +82,7 @@ def register(sub: Any) -> None:
             "--dry-run", action="store_true", help="only print how many rows would be touched"
         )
         p.set_defaults(handler=cmd_action, action=action)
+    suspend.register(commands)
 
 
 def _add_filters(
@@ -141,10 +144,12 @@ async def cmd_summary(args: argparse.Namespace) -> int:
     async with open_database(args) as (settings, conn):
         summary = await admin_queue.queue_summary(conn, top=args.top, exact=args.exact)
         budgets = await store_budgets.list_budgets(conn)
+        suspended = await suspensions.list_suspensions(conn)
     lanes = lane_rows(summary, settings.lanes)
     if args.json:
         data = {**summary_object(summary), "lanes": lanes}
         data["budgets"] = [dataclasses.asdict(b) for b in budgets]
+        data["suspensions"] = [dataclasses.asdict(s) for s in suspended]
         print(json.dumps(jsonable(data), indent=2))
         return 0
     print_rows(args, summary_rows(summary), ["status", "recipients"])
@@ -178,6 +183,9 @@ async def cmd_summary(args: argparse.Namespace) -> int:
     if budgets:
         print()
         print_rows(args, [budget_row(b) for b in budgets], BUDGET_COLUMNS)
+    if suspended:
+        print()
+        suspend.print_suspensions(args, suspended)
     return 0
 
 

@@ -80,6 +80,7 @@ class Budgets:
         self.throttling = ThrottlingReports(settings, pool)
         self.health = SiteHealth(settings, pool)
         self._parked: frozenset[str] = frozenset()
+        self._suspended: dict[str, str] = {}
         self._org_rates: dict[uuid.UUID, float] = {}
         self._backing_off: frozenset[str] = frozenset()
         self._refreshed = -REFRESH_INTERVAL
@@ -119,6 +120,29 @@ class Budgets:
                 Need(ORG + str(delivery.org_id), org_rate, 0, max(1.0, org_rate), False, "org")
             )
         return tuple(needs)
+
+    async def suspension(
+        self, delivery: Delivery, policy: DestinationPolicy
+    ) -> tuple[str | None, str] | None:
+        """When an operator suspended this delivery's site, domain, org or lane: the queue it
+        waits in (a site's or a domain's; None: its own, which the claims pass over while the
+        suspension lasts) and the suspension's reason."""
+        self._refresh_soon()
+        if not self._read_once and self._refresh is not None:
+            await asyncio.shield(self._refresh)
+        if not self._suspended:
+            return None
+        site, domain = DESTINATION + policy.key, "domain:" + delivery.domain.lower()
+        for key, queue in (
+            (site, site),
+            (domain, domain),
+            ("org:" + str(delivery.org_id), None),
+            ("lane:" + delivery.lane, None),
+        ):
+            note = self._suspended.get(key)
+            if note is not None:
+                return queue, note
+        return None
 
     # ------------------------------------------------------------ admit / leave
 
@@ -321,6 +345,7 @@ class Budgets:
         self._org_rates = dict(in_force.org_rates)
         self._backing_off = in_force.backing_off
         self._parked = in_force.parked
+        self._suspended = in_force.suspended
         self.health.failing |= in_force.parked
         BUDGETS_BACKING_OFF.set(len(in_force.backing_off))
 

@@ -192,6 +192,10 @@ class Courier:
         budgets = self.budgets
         passed: Pass | Wait | None = None
         if budgets is not None:
+            held = await budgets.suspension(delivery, policy)
+            if held is not None:
+                queue, note = held
+                return Postponed(datetime.now(UTC), note, queue)
             passed = await budgets.admit(delivery, policy)
         if isinstance(passed, Wait):
             return Postponed(passed.until, passed.reason, passed.site)

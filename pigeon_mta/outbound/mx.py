@@ -22,6 +22,7 @@ import ipaddress
 import logging
 import random
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
@@ -82,12 +83,17 @@ class Route:
         or preferences of its records), for a static route or the relayhost its destination."""
         if self.kind not in ("mx", "implicit-mx"):
             return self.destination
-        name = ",".join(sorted({host.lower() for host in self.host_names}))
-        if len(name) > MAX_SITE_NAME:
-            # Five long host names: a digest keeps the key (and the log line) bounded.
-            digest = hashlib.sha256(name.encode()).hexdigest()[:32]
-            name = f"{name[: MAX_SITE_NAME - 34]}~{digest}"
-        return f"site:{name}"
+        return site_of(self.host_names)
+
+
+def site_of(host_names: Iterable[str]) -> str:
+    """The site of a set of MX host names, in any order: "site:" and the sorted names."""
+    name = ",".join(sorted({host.lower() for host in host_names}))
+    if len(name) > MAX_SITE_NAME:
+        # Five long host names: a digest keeps the key (and the log line) bounded.
+        digest = hashlib.sha256(name.encode()).hexdigest()[:32]
+        name = f"{name[: MAX_SITE_NAME - 34]}~{digest}"
+    return f"site:{name}"
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ Budgets are cross-tenant by design (a destination's budget serves every org).
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -319,6 +320,8 @@ class InForce:
     org_rates: dict[uuid.UUID, float]
     backing_off: frozenset[str]
     parked: frozenset[str] = frozenset()
+    # Operator suspensions in force (store/suspensions.py): key -> reason, with when it ends.
+    suspended: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 async def budgets_in_force(db: Executor, *, step: float, quiet: float) -> InForce:
@@ -329,6 +332,7 @@ async def budgets_in_force(db: Executor, *, step: float, quiet: float) -> InForc
         org_rates={uuid.UUID(r["key"]): r["rate"] for r in rows if r["kind"] == "org"},
         backing_off=frozenset(r["key"] for r in rows if r["kind"] == "backoff"),
         parked=frozenset(r["key"] for r in rows if r["kind"] == "parked"),
+        suspended={r["key"]: r["note"] for r in rows if r["kind"] == "suspended"},
     )
 
 

@@ -16,6 +16,7 @@ from datetime import datetime
 import asyncpg
 
 from pigeon_mta.model import DSN_LISTENER
+from pigeon_mta.store import suspensions
 from pigeon_mta.store.duplicates import DuplicateRecord, duplicates_of
 from pigeon_mta.store.executor import Executor
 
@@ -167,11 +168,19 @@ async def messages_to_address(
 
 # ---------------------------------------------------------------- recipients and attempts
 
-_RECIPIENTS = """
-SELECT id, message_id, address, status, attempts, next_attempt_at, last_code,
-       last_enhanced_code, last_response, updated_at, postponed
-FROM recipient WHERE message_id = ANY ($1::uuid[])
-ORDER BY message_id, address
+# A queued recipient that an operator's suspension holds says so (store/suspensions.py), whether
+# it was queued before the suspension or after.
+_RECIPIENTS = f"""
+SELECT r.id, r.message_id, r.address, r.status, r.attempts, r.next_attempt_at, r.last_code,
+       r.last_enhanced_code, r.last_response, r.updated_at,
+       COALESCE((SELECT {suspensions.NOTE}
+                 FROM suspension x
+                 WHERE r.status = 'queued' AND {suspensions.ACTIVE}
+                   AND x.key IN ('org:' || r.org_id, 'lane:' || r.lane, 'domain:' || r.domain,
+                                 r.site)
+                 ORDER BY x.created_at LIMIT 1), r.postponed) AS postponed
+FROM recipient r WHERE r.message_id = ANY ($1::uuid[])
+ORDER BY r.message_id, r.address
 """
 
 _ATTEMPTS = """

@@ -63,7 +63,7 @@ WITH RECURSIVE groups AS (
            row_number() OVER (PARTITION BY g.lane ORDER BY random()) AS pick
     FROM groups g
     LEFT JOIN unnest($4::text[], $5::float8[]) AS w (lane, weight) ON w.lane = g.lane
-    WHERE g.oldest <= now()
+    WHERE g.oldest <= now() AND NOT suspended(g.org_id, g.lane)
 ), by_site AS MATERIALIZED (
     -- Half the batch at most while due mail without a site waits, so neither starves.
     SELECT * FROM site_pick(

@@ -106,6 +106,7 @@ async def resets_beside_backlog(
     )
     try:
         await asyncio.to_thread(serve.wait_for, "listener relay bound on")
+        started = time.monotonic()
         await state.wait_for(lambda: len(state.messages) >= 2 * RATE, timeout=60)
         deadline = time.monotonic() + 30
         while await pool.fetchval(
@@ -115,10 +116,12 @@ async def resets_beside_backlog(
             assert time.monotonic() < deadline, "the backlog did not join its site's queue"
             await asyncio.sleep(0.2)
         # PostgreSQL's statistics lag behind (each backend reports its own, up to 10 s late when
-        # idle): the backlog's joining (a write each) is counted before the window opens.
+        # it went idle): the start's writes (the backlog joining the site's queue, a write each)
+        # are all counted before the window opens.
         while await row_writes(pool) < BACKLOG:
             assert time.monotonic() < deadline, "the statistics do not show the backlog joining"
             await asyncio.sleep(0.2)
+        await asyncio.sleep(max(0.0, started + 11 - time.monotonic()))
         # Steady state: what a delivered message costs in row writes from here on.
         writes_before, delivered_before = await row_writes(pool), await delivered(pool)
         window_start = time.time()

@@ -3,12 +3,13 @@ shared between the orgs and lanes waiting, and left untouched while there is non
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections import Counter
 
 import asyncpg
 
-from pigeon_mta.store import leases
+from pigeon_mta.store import leases, suspensions
 from pigeon_mta.store.orgs import ensure_org
 from tests.integration.queue_helpers import LANE_WEIGHTS, bulk_queue
 
@@ -135,3 +136,33 @@ async def test_a_backlog_joins_its_site_queue_in_one_write_per_row(pool: asyncpg
     assert moved == 300
     rows = await pool.fetch("SELECT domain, site, count(*) FROM recipient GROUP BY 1, 2 ORDER BY 1")
     assert [tuple(r) for r in rows] == [("elsewhere.test", None, 100), ("shop.test", SITE, 300)]
+
+
+async def test_a_suspended_site_is_not_claimed_until_it_is_resumed(pool: asyncpg.Pool) -> None:
+    org = await ensure_org(pool, "suspended")
+    await in_site_queue(pool, org, 10)
+    await budget(pool, tokens=RATE)
+    async with pool.acquire() as conn:
+        await suspensions.suspend(conn, SITE, reason="provider incident", seconds=None)
+        claimed = await claim(pool)
+        assert claimed.rows == [] and claimed.come_back == 1.0
+        assert await suspensions.resume(conn, SITE)
+        assert not await suspensions.resume(conn, SITE)
+    assert len((await claim(pool)).rows) == 10
+
+
+async def test_a_suspended_org_or_lane_is_passed_over_by_both_claims(pool: asyncpg.Pool) -> None:
+    held, free = await ensure_org(pool, "held"), await ensure_org(pool, "free")
+    await in_site_queue(pool, held, 10)
+    await bulk_queue(pool, held, messages=10, domain="general.test")
+    await bulk_queue(pool, free, messages=10, domain="general.test", lane="bulk")
+    await budget(pool, tokens=RATE)
+    async with pool.acquire() as conn:
+        await suspensions.suspend(conn, f"org:{held}", reason="review", seconds=None)
+        assert {row.org_id for row in (await claim(pool)).rows} == {free}
+        await suspensions.suspend(conn, "lane:transactional", reason="drain", seconds=0.5)
+        await suspensions.resume(conn, f"org:{held}")
+        # The lane's suspension ends by itself.
+        assert (await claim(pool)).rows == []
+        await asyncio.sleep(0.6)
+    assert len((await claim(pool)).rows) == 20

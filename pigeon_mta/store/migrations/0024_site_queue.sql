@@ -152,6 +152,27 @@ BEGIN
 END
 $$;
 
+-- Operator suspensions (`pigeon-mta queue suspend|resume`, store/suspensions.py): mail of a
+-- suspended org or lane is not claimed; mail to a suspended site or domain waits in a queue of
+-- that key (recipient.site: the site's budget key, or 'domain:NAME'), not claimed either. A
+-- suspension ends at `until` (NULL: when resumed).
+CREATE TABLE suspension (
+    -- 'org:UUID', 'lane:NAME', 'domain:NAME' or a destination budget key ('destination:...')
+    key         text PRIMARY KEY,
+    until       timestamptz,
+    reason      text NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now()
+);
+
+-- Whether an (org, lane) group's mail is suspended now (both claims ask, per group).
+CREATE FUNCTION suspended(p_org uuid, p_lane text) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (
+        SELECT 1 FROM suspension x
+        WHERE x.key IN ('org:' || p_org, 'lane:' || p_lane)
+          AND (x.until IS NULL OR x.until > now()))
+$$;
+
 -- The site claim, one part of the claim statement (store/leases.py). It walks the sites with
 -- waiting rows (a skip scan of recipient_site_due, in random order), and for each site whose
 -- budget row it can lock at once (SKIP LOCKED: another engine is taking from it) it claims what
@@ -201,6 +222,16 @@ BEGIN
         IF left_over <= 0 THEN
             id := NULL; delay := 0; RETURN NEXT;  -- more sites wait: claim again at once
             EXIT;
+        END IF;
+        SELECT x.until INTO t FROM suspension x
+        WHERE x.key = s.site AND (x.until IS NULL OR x.until > now());
+        IF FOUND THEN
+            -- Suspended by an operator: nothing is claimed; back when it ends (or in a second,
+            -- for a resume).
+            id := NULL;
+            delay := least(1, coalesce(extract(epoch FROM t - now()), 1));
+            RETURN NEXT;
+            CONTINUE;
         END IF;
         SELECT * INTO b FROM budget u WHERE u.key = s.site FOR UPDATE SKIP LOCKED;
         IF NOT FOUND THEN
@@ -273,7 +304,7 @@ BEGIN
                        row_number() OVER (PARTITION BY g.lane ORDER BY random()) AS pick
                 FROM groups g
                 LEFT JOIN unnest(p_lanes, p_weights) AS w (lane, weight) ON w.lane = g.lane
-                WHERE g.oldest <= t
+                WHERE g.oldest <= t AND NOT suspended(g.org_id, g.lane)
             ), lanes AS (
                 SELECT l.lane, greatest(1, floor(room * l.weight / sum(l.weight) OVER ()))::int
                            AS share
@@ -336,16 +367,27 @@ $$;
 -- that are parked ('parked', key, 0): an engine routes their mail into the site's queue.
 DROP FUNCTION budget_in_force(double precision, double precision);
 CREATE FUNCTION budget_in_force(p_step double precision, p_quiet double precision)
-RETURNS TABLE (kind text, key text, rate double precision)
+RETURNS TABLE (kind text, key text, rate double precision, note text)
 LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM budget_recover(NULL, p_step, p_quiet);
     RETURN QUERY
-        SELECT 'org'::text, o.id::text, o.rate FROM org o WHERE o.rate > 0
+        SELECT 'org'::text, o.id::text, o.rate, NULL::text FROM org o WHERE o.rate > 0
         UNION ALL
-        SELECT 'backoff'::text, b.key, b.effective_rate FROM budget b WHERE b.backoff
+        SELECT 'backoff'::text, b.key, b.effective_rate, NULL FROM budget b WHERE b.backoff
         UNION ALL
-        SELECT 'parked'::text, b.key, 0::float8 FROM budget b WHERE b.parked_until IS NOT NULL;
+        SELECT 'parked'::text, b.key, 0::float8, NULL FROM budget b
+        WHERE b.parked_until IS NOT NULL
+        UNION ALL
+        -- Operator suspensions in force: the engines hand such mail back unattempted.
+        -- (the note as store/suspensions.py's NOTE words it)
+        SELECT 'suspended'::text, x.key, 0::float8,
+               'suspended by an operator: ' || x.reason
+               || CASE WHEN x.until IS NULL THEN ' (until resumed)'
+                       ELSE ' (until ' || to_char(x.until AT TIME ZONE 'UTC',
+                                                  'YYYY-MM-DD HH24:MI:SS') || ' UTC)' END
+               || '; not attempted meanwhile'
+        FROM suspension x WHERE x.until IS NULL OR x.until > now();
 END
 $$;
 CREATE INDEX budget_parked ON budget (key) WHERE parked_until IS NOT NULL;

@@ -1,0 +1,102 @@
+"""Operator suspensions: mail of an org, a lane, a site or a domain that is not attempted until
+resumed or until a given time (`pigeon-mta queue suspend|resume`, table `suspension`, migration
+0024).
+
+Both claims pass over the groups of a suspended org or lane (store/leases.py); mail to a
+suspended site or domain waits in the queue of that key (`recipient.site`), which the site claim
+passes over. The engines hand back, unattempted, whatever they hold when a suspension begins
+(they read the suspensions in force every second, outbound/budgets.py). `pigeon-mta log` shows
+the suspension on each queued recipient it holds (store/events.py). Cross-tenant by design for
+sites, domains and lanes (an operator's tool); an org's suspension is that org's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+import asyncpg
+
+from pigeon_mta.store.executor import Executor
+
+ORG = "org:"
+LANE = "lane:"
+DOMAIN = "domain:"
+SITE = "destination:"  # a site's budget key (store/budgets.py)
+
+ACTIVE = "(x.until IS NULL OR x.until > now())"
+
+# What a suspension `x` says of the mail it holds (`log`, and the reason engines hand it back with).
+NOTE = """'suspended by an operator: ' || x.reason
+    || CASE WHEN x.until IS NULL THEN ' (until resumed)'
+            ELSE ' (until ' || to_char(x.until AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')
+                 || ' UTC)' END
+    || '; not attempted meanwhile'"""
+
+
+# Mail to a suspended domain waits in the domain's queue, out of the claims' way; at resume it
+# goes back to the general claim. (Mail of a suspended org or lane stays where it is: the claims
+# pass over it. Mail to a suspended site joins the site's queue when an engine next routes it.)
+_TO_DOMAIN_QUEUE = """
+UPDATE recipient SET site = $2, updated_at = now()
+WHERE status = 'queued' AND domain = $1 AND site IS NULL
+"""
+_FROM_DOMAIN_QUEUE = """
+UPDATE recipient SET site = NULL, updated_at = now() WHERE status = 'queued' AND site = $1
+"""
+
+
+@dataclass(frozen=True)
+class Suspension:
+    key: str
+    until: datetime | None
+    reason: str
+    created_at: datetime
+    waiting: int  # queued recipients it holds
+
+
+async def suspend(
+    conn: asyncpg.Connection, key: str, *, reason: str, seconds: float | None
+) -> None:
+    """Suspend `key` (replacing a suspension of it in force) for `seconds` (None: until
+    resumed)."""
+    async with conn.transaction():
+        await conn.execute(
+            """INSERT INTO suspension (key, until, reason) VALUES
+                   ($1, CASE WHEN $2::float8 IS NULL THEN NULL
+                             ELSE now() + make_interval(secs => $2::float8) END, $3)
+               ON CONFLICT (key) DO UPDATE
+               SET until = excluded.until, reason = excluded.reason, created_at = now()""",
+            key,
+            seconds,
+            reason,
+        )
+        if key.startswith(DOMAIN):
+            await conn.execute(_TO_DOMAIN_QUEUE, key.removeprefix(DOMAIN), key)
+
+
+async def resume(conn: asyncpg.Connection, key: str) -> bool:
+    """End the suspension of `key`; False if there was none in force."""
+    async with conn.transaction():
+        ended = await conn.fetchval(
+            f"DELETE FROM suspension x WHERE key = $1 RETURNING {ACTIVE}", key
+        )
+        if key.startswith(DOMAIN):
+            await conn.execute(_FROM_DOMAIN_QUEUE, key)
+    return bool(ended)
+
+
+_LIST = f"""
+SELECT x.key, x.until, x.reason, x.created_at,
+       (SELECT count(*) FROM recipient r WHERE r.status = 'queued' AND CASE
+            WHEN x.key LIKE '{ORG}%' THEN r.org_id::text = substr(x.key, {len(ORG) + 1})
+            WHEN x.key LIKE '{LANE}%' THEN r.lane = substr(x.key, {len(LANE) + 1})
+            ELSE r.site = x.key END)::integer AS waiting
+FROM suspension x WHERE {ACTIVE}
+ORDER BY x.created_at
+"""
+
+
+async def list_suspensions(db: Executor) -> list[Suspension]:
+    """The suspensions in force, oldest first, with the queued mail each holds."""
+    return [Suspension(**dict(row)) for row in await db.fetch(_LIST)]
