@@ -81,6 +81,10 @@ class Envelope:
     # again (limits.duplicate_window); 0 for a Message-ID the client did not supply. Only
     # store.duplicates.enqueue_submitted, the submission path's commit, honours it.
     duplicate_window: float = 0.0
+    # BLAKE2b-128 of the content as the client sent it (the message's body over SMTP, the
+    # request's body through the API): a message under a Message-ID queued within the window is
+    # a duplicate only with the same content (store/duplicates.py).
+    content_key: bytes | None = None
     # The lane it is delivered in ([lanes] in the settings), chosen at reception
     # (submission/lanes.py); stored on the message and on each of its recipients.
     lane: str = "transactional"

@@ -38,6 +38,7 @@ def queued_as(
     queue_id: uuid.UUID,
     received_at: datetime,
     duplicate_window: float,
+    content_key: bytes | None = None,
 ) -> tuple[model.Envelope, Reception]:
     ip = client_ip(request)
     tls_version, tls_cipher = _tls(request)
@@ -55,6 +56,7 @@ def queued_as(
         tls_version=tls_version,
         tls_cipher=tls_cipher,
         duplicate_window=duplicate_window,
+        content_key=content_key,
         lane=lane,
         recipient_ids=tuple(new_ids(len(submission.recipients))),
     )

@@ -76,6 +76,11 @@ def print_story(story: MessageStory, now: datetime) -> None:
         "received": _reception(story),
         "recipients": ", ".join(r.address for r in story.recipients) or "(none)",
     }
+    if m.reuses is not None:
+        details["duplicate?"] = (
+            f"no: message {m.reuses} has the same Message-ID and other content, within "
+            "limits.duplicate_window; this one was queued as a message of its own"
+        )
     width = max(len(k) for k in details)
     for key, value in details.items():
         print(f"  {key.ljust(width)}  {printable(value, newlines=True)}")

@@ -67,17 +67,20 @@ def _checked(envelope: Envelope) -> bool:
 # twice in the statement, fails it on the primary key (PRIMARY_KEY), and _ENQUEUE_ONE or
 # _ENQUEUE_MANY below decides. The parameters are store/queue.py's, then the key and window.
 _NEW_ENTRIES_ONE = """d AS (
-    INSERT INTO submission_dedup (org_id, message_key, address, queue_id, expires_at)
-    SELECT $2::uuid, $21::uuid, lower(a), $1::uuid, now() + make_interval(secs => $22::float8)
+    INSERT INTO submission_dedup (org_id, message_key, address, queue_id, expires_at,
+                                  content_key)
+    SELECT $2::uuid, $21::uuid, lower(a), $1::uuid, now() + make_interval(secs => $22::float8),
+           $23::bytea
     FROM unnest($13::text[]) AS a
     ORDER BY 3
 ), """
 _NEW_ENTRIES_MANY = """d AS (
-    INSERT INTO submission_dedup (org_id, message_key, address, queue_id, expires_at)
+    INSERT INTO submission_dedup (org_id, message_key, address, queue_id, expires_at,
+                                  content_key)
     SELECT u.org_id, u.message_key, lower(v.address), u.id,
-           now() + make_interval(secs => u.window_secs)
-    FROM unnest($1::uuid[], $2::uuid[], $22::uuid[], $23::float8[])
-         AS u (id, org_id, message_key, window_secs)
+           now() + make_interval(secs => u.window_secs), u.content_key
+    FROM unnest($1::uuid[], $2::uuid[], $22::uuid[], $23::float8[], $24::bytea[])
+         AS u (id, org_id, message_key, window_secs, content_key)
     JOIN unnest($13::uuid[], $14::text[]) AS v (message_id, address) ON v.message_id = u.id
     WHERE u.message_key IS NOT NULL
     ORDER BY 1, 2, 3
@@ -87,13 +90,27 @@ _ENQUEUE_NEW_MANY = store_queue.enqueue_statement(many=True, before=_NEW_ENTRIES
 PRIMARY_KEY = "submission_dedup_pkey"
 
 
-# An entry still in force keeps its message and its expiry; one whose window has ended is taken
-# over by the message queued now. The UPDATE happens on every conflict (rare: only duplicates),
-# because only an updated row is RETURNED, and the statement needs the original's queue id.
-_TAKE_OVER = """
+# An entry still in force for the same content keeps its message and its expiry; one whose window
+# has ended, or made for other content under the same Message-ID, is taken over by the message
+# queued now (so a retry of the first content that comes after the second is queued again: the
+# entry holds one content per Message-ID and recipient, and errs toward delivering twice). An
+# entry without a content key, written before they were kept, matches any. The
+# UPDATE happens on every conflict (rare: only duplicates), because only an updated row is
+# RETURNED, and the statement needs the original's queue id.
+_SAME = """(s.expires_at > now() AND (s.content_key IS NULL OR EXCLUDED.content_key IS NULL
+                                    OR s.content_key = EXCLUDED.content_key))"""
+_TAKE_OVER = f"""
     ON CONFLICT (org_id, message_key, address) DO UPDATE
-    SET queue_id = CASE WHEN s.expires_at > now() THEN s.queue_id ELSE EXCLUDED.queue_id END,
-        expires_at = CASE WHEN s.expires_at > now() THEN s.expires_at ELSE EXCLUDED.expires_at END
+    SET queue_id = CASE WHEN {_SAME} THEN s.queue_id ELSE EXCLUDED.queue_id END,
+        expires_at = CASE WHEN {_SAME} THEN s.expires_at ELSE EXCLUDED.expires_at END,
+        content_key = CASE WHEN {_SAME} THEN s.content_key ELSE EXCLUDED.content_key END
+"""
+
+# The entries in force under the same Message-ID for other content: the message is queued anyway,
+# and it names the one it reuses the Message-ID of (read before this statement's own writes).
+_OTHER_CONTENT = """
+    s.expires_at > now() AND s.content_key IS NOT NULL AND {content} IS NOT NULL
+    AND s.content_key <> {content}
 """
 
 # One message: its recipients' entries (each key once: "A@x" and "a@x" are one entry), in key
@@ -101,9 +118,17 @@ _TAKE_OVER = """
 # with the message that queues it (`owner`); the message row and its recipients only for those
 # it owns; a duplicate_reception row for the others.
 _ENQUEUE_ONE = f"""
-WITH d AS (
-    INSERT INTO submission_dedup AS s (org_id, message_key, address, queue_id, expires_at)
-    SELECT DISTINCT $2::uuid, $19::uuid, lower(a), $1::uuid, now() + make_interval(secs => $20)
+WITH reused AS (
+    SELECT s.queue_id FROM submission_dedup s
+    WHERE s.org_id = $2::uuid AND s.message_key = $19::uuid
+      AND s.address = ANY (ARRAY (SELECT lower(a) FROM unnest($13::text[]) AS a))
+      AND {_OTHER_CONTENT.format(content="$21::bytea")}
+    ORDER BY s.queue_id LIMIT 1
+), d AS (
+    INSERT INTO submission_dedup AS s (org_id, message_key, address, queue_id, expires_at,
+                                       content_key)
+    SELECT DISTINCT $2::uuid, $19::uuid, lower(a), $1::uuid, now() + make_interval(secs => $20),
+           $21::bytea
     FROM unnest($13::text[]) AS a
     ORDER BY 3
     {_TAKE_OVER}
@@ -115,10 +140,10 @@ WITH d AS (
 ), m AS (
     INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
                          client_ip, client_helo, credential_id, auth_user, received_at,
-                         tls_version, tls_cipher, lane)
+                         tls_version, tls_cipher, lane, reuses)
     SELECT $1, $2, $3::text, $4::text, $5::int, $6::bytea, $7::text, $8::inet, $9::text,
            $10::uuid, $11::text, COALESCE($15::timestamptz, now()), $16::text, $17::text,
-           $18::text
+           $18::text, (SELECT queue_id FROM reused)
     WHERE EXISTS (SELECT 1 FROM k WHERE k.owner = $1)
     RETURNING id, org_id, received_at, lane
 ), r AS (
@@ -148,16 +173,23 @@ SELECT $1 AS message_id, address, original_id, reply_id FROM x
 # through: each of their recipients is its own owner.
 _ENQUEUE_MANY = f"""
 WITH u AS (
-    SELECT * FROM unnest($1::uuid[], $2::uuid[], $20::uuid[], $21::float8[])
-        AS u (id, org_id, message_key, window_secs)
+    SELECT * FROM unnest($1::uuid[], $2::uuid[], $20::uuid[], $21::float8[], $22::bytea[])
+        AS u (id, org_id, message_key, window_secs, content_key)
 ), v AS (
     SELECT * FROM unnest($12::uuid[], $13::uuid[], $14::text[], $15::text[])
         AS v (id, message_id, address, domain)
+), reused AS (
+    SELECT DISTINCT ON (u.id) u.id, s.queue_id FROM u JOIN v ON v.message_id = u.id
+    JOIN submission_dedup s ON s.org_id = u.org_id AND s.message_key = u.message_key
+                           AND s.address = lower(v.address)
+    WHERE {_OTHER_CONTENT.format(content="u.content_key")}
+    ORDER BY u.id, s.queue_id
 ), d AS (
-    INSERT INTO submission_dedup AS s (org_id, message_key, address, queue_id, expires_at)
+    INSERT INTO submission_dedup AS s (org_id, message_key, address, queue_id, expires_at,
+                                       content_key)
     SELECT DISTINCT ON (u.org_id, u.message_key, lower(v.address))
            u.org_id, u.message_key, lower(v.address), u.id,
-           now() + make_interval(secs => u.window_secs)
+           now() + make_interval(secs => u.window_secs), u.content_key
     FROM u JOIN v ON v.message_id = u.id
     WHERE u.message_key IS NOT NULL
     ORDER BY u.org_id, u.message_key, lower(v.address), u.id
@@ -171,10 +203,11 @@ WITH u AS (
 ), m AS (
     INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
                          client_ip, client_helo, credential_id, auth_user, received_at,
-                         tls_version, tls_cipher, lane)
+                         tls_version, tls_cipher, lane, reuses)
     SELECT w.id, w.org_id, w.sender, w.header_message_id, w.size, w.body, w.listener,
            w.client_ip, w.client_helo, w.credential_id, w.auth_user,
-           COALESCE(w.received_at, now()), w.tls_version, w.tls_cipher, w.lane
+           COALESCE(w.received_at, now()), w.tls_version, w.tls_cipher, w.lane,
+           (SELECT r.queue_id FROM reused r WHERE r.id = w.id)
     FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::int[], $6::bytea[],
                 $7::text[], $8::inet[], $9::text[], $10::uuid[], $11::text[],
                 $16::timestamptz[], $17::text[], $18::text[], $19::text[])
@@ -264,14 +297,15 @@ async def enqueue_submitted(db: Executor, batch: Sequence[tuple[uuid.UUID, Envel
 
 
 def _one_arguments(queue_id: uuid.UUID, e: Envelope, *, deciding: bool = False) -> list[object]:
-    """The parameters of the plain statement: the lone enqueue's ($1-$20), then the key and
-    window ($21, $22); of _ENQUEUE_ONE (`deciding`), which takes no handoff, the lone enqueue's
-    but its handoff ($1-$18), then the key and window ($19, $20)."""
+    """The parameters of the plain statement: the lone enqueue's ($1-$20), then the key, window
+    and content key ($21-$23); of _ENQUEUE_ONE (`deciding`), which takes no handoff, the lone
+    enqueue's but its handoff ($1-$18), then the key, window and content key ($19-$21)."""
     columns = store_queue.one_columns(queue_id, e)
     return [
         *(columns[:18] if deciding else columns),
         message_key(e.header_message_id or ""),
         float(e.duplicate_window),
+        e.content_key,
     ]
 
 
@@ -279,13 +313,14 @@ def _many_arguments(
     batch: Sequence[tuple[uuid.UUID, Envelope]], deciding: bool = False
 ) -> list[object]:
     """The parameters of the plain statement: the batch enqueue's ($1-$21), then each message's
-    key and window ($22, $23); of _ENQUEUE_MANY (`deciding`), the batch enqueue's but the
-    handoffs ($1-$19), then the keys and windows ($20, $21)."""
+    key, window and content key ($22-$24); of _ENQUEUE_MANY (`deciding`), the batch enqueue's
+    but the handoffs ($1-$19), then the keys, windows and content keys ($20-$22)."""
     columns = store_queue.batch_columns(batch)
     return [
         *(columns[:19] if deciding else columns),
         [message_key(e.header_message_id or "") if _checked(e) else None for _q, e in batch],
         [float(e.duplicate_window) for _q, e in batch],
+        [e.content_key for _q, e in batch],
     ]
 
 

@@ -37,6 +37,9 @@ class MessageRecord:
     tls_version: str | None = None
     tls_cipher: str | None = None
     lane: str = "transactional"  # the lane it is delivered in
+    # The message queued earlier under the same Message-ID with other content, within the
+    # duplicate window: this one was not taken for a duplicate of it.
+    reuses: uuid.UUID | None = None
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ class MessageStory:
 
 _MESSAGE_COLUMNS = """m.id, m.org_id, o.name AS org_name, m.sender, m.header_message_id, m.size,
     m.received_at, m.listener, host(m.client_ip) AS client_ip, m.client_helo, m.auth_user,
-    m.tls_version, m.tls_cipher, m.lane"""
+    m.tls_version, m.tls_cipher, m.lane, m.reuses"""
 
 _BY_QUEUE_ID = f"""
 SELECT {_MESSAGE_COLUMNS} FROM message m JOIN org o ON o.id = m.org_id WHERE m.id = $1
@@ -146,6 +149,7 @@ def _message(row: asyncpg.Record) -> MessageRecord:
         tls_version=row["tls_version"],
         tls_cipher=row["tls_cipher"],
         lane=row["lane"],
+        reuses=row["reuses"],
     )
 
 

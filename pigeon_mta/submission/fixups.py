@@ -9,6 +9,7 @@ they are never signed or delivered. Nothing else in the message is touched.
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
 from dataclasses import dataclass
 from datetime import datetime
@@ -74,6 +75,9 @@ class Fixed:
     address_fields: list[tuple[str, str]]
     # The values of the X-Pigeon-Lane fields the client wrote, in order (the fields are removed).
     lane_fields: tuple[str, ...] = ()
+    # BLAKE2b-128 of the message's body as the client sent it (line endings made CRLF): the
+    # same message sent again has the same digest.
+    content_digest: bytes = b""
 
 
 def apply_fixups(
@@ -93,6 +97,9 @@ def apply_fixups(
     if data and not data.endswith(CRLF):
         data += CRLF
     split = split_header(data, max_size=max_header_size)
+    # The body as the client sent it: a retry has the same one, whatever header fields its
+    # software wrote again (a Date, a Received).
+    digest = hashlib.blake2b(split.rest, digest_size=16).digest()
     # Each field's name once (four lookups below would otherwise parse it four times).
     named = [(field_name(f), f) for f in split.fields]
     # Only the header section's fields count: a Received line quoted in the body is no hop.
@@ -118,7 +125,7 @@ def apply_fixups(
         top = received_header(trace) + authentication_results(trace)
     out = b"".join((top, *fields, *added, rest))
     originators = [(n.decode("ascii"), field_value(f)) for n, f in named if n in ORIGINATOR_FIELDS]
-    return Fixed(out, message_id, originators, lane_fields)
+    return Fixed(out, message_id, originators, lane_fields, digest)
 
 
 def received_header(trace: Trace) -> bytes:

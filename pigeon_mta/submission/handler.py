@@ -217,6 +217,7 @@ class SubmissionHandler:
             duplicate_window=self.ctx.limits.duplicate_window
             if fixed.header_message_id != new_message_id
             else 0.0,
+            content_key=fixed.content_digest,
             lane=lane.lane,
         )
         reception = Reception(

@@ -356,3 +356,26 @@ async def test_a_keys_lane_and_the_requests_lane_as_lanes_header_allows(
             "SELECT lane FROM message WHERE id = $1", uuid.UUID(json.loads(body)["queue_id"])
         )
     assert queued == lane
+
+
+async def test_a_reused_message_id_with_another_body_is_queued_through_the_api_too(
+    api: Api, pool: asyncpg.Pool
+) -> None:
+    def raw(code: str) -> bytes:
+        return (
+            b"From: shop@acme.example\r\nTo: ann@dest.example\r\nSubject: code\r\n"
+            b"Message-ID: <code@acme.example>\r\n\r\nYour code is " + code.encode() + b".\r\n"
+        )
+
+    params = [("from", "shop@acme.example"), ("to", "ann@dest.example")]
+    answers = []
+    for data in (raw("1111"), raw("2222"), raw("2222")):
+        status, _headers, body = await post(api, data, content_type="message/rfc822", params=params)
+        assert status == 202, body
+        answers.append(json.loads(body)["queue_id"])
+    first, other, retry = answers
+    assert other != first and retry == other
+    assert await pool.fetchval("SELECT count(*) FROM message") == 2
+    assert await pool.fetchval(
+        "SELECT reuses FROM message WHERE id = $1", uuid.UUID(other)
+    ) == uuid.UUID(first)

@@ -281,3 +281,32 @@ async def test_log_shows_the_duplicate_reception(
     written = [json.loads(line) for line in delivery_log.read_text().splitlines()]
     assert [r["type"] for r in written] == ["Reception", "Duplicate", "Reception"]
     assert written[1] == duplicates[0]
+
+
+async def test_a_reused_message_id_with_other_content_is_queued_and_the_log_says_so(
+    tmp_path: Path, db_url: str, pool: asyncpg.Pool
+) -> None:
+    """An application that gives every message of a template one Message-ID: the second
+    message, with another body, is not taken for a duplicate of the first. A retry, with a Date
+    its software wrote again, still is one."""
+    first_data = message("template@acme.example") + b"Your code is 1111.\r\n"
+    retry_data = b"Date: Wed, 02 Dec 2026 10:00:00 +0000\r\n" + first_data
+    other_data = message("template@acme.example") + b"Your code is 2222.\r\n"
+    counted = duplicates_counted()
+    async with running_service(relay_settings(tmp_path, db_url), pool) as running:
+        port = running.port("relay")
+        first = await asyncio.to_thread(submit, port, ["bob@example.net"], first_data)
+        retry = await asyncio.to_thread(submit, port, ["bob@example.net"], retry_data)
+        other = await asyncio.to_thread(submit, port, ["bob@example.net"], other_data)
+        other_retry = await asyncio.to_thread(submit, port, ["bob@example.net"], other_data)
+
+    assert retry == first  # the same body, a Date written again: a duplicate
+    assert other != first
+    assert other_retry == other  # the new content's own retry is a duplicate of it
+    assert await queued(pool) == {first: ["bob@example.net"], other: ["bob@example.net"]}
+    assert duplicates_counted() - counted == 2
+    story = run_pigeon("log", str(other), env={"PIGEON_DATABASE_URL": db_url})
+    assert story.returncode == 0, story.stderr
+    assert f"no: message {first} has the same Message-ID and other content" in story.stdout
+    plain = run_pigeon("log", str(first), env={"PIGEON_DATABASE_URL": db_url})
+    assert "duplicate?" not in plain.stdout
