@@ -8,6 +8,7 @@ recipients (a bug must not lose mail) and is logged.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import uuid
@@ -187,8 +188,10 @@ class Courier:
     async def _enter(
         self, delivery: Delivery, policy: DestinationPolicy
     ) -> tuple[Pass | None, Gate | None] | Postponed:
-        """Pass the destination's limits: the cluster's budgets that apply, and this process's
-        own concurrency limit when the destination has no cluster budget."""
+        """Pass the destination's limits: the cluster's budgets that apply, then this process's
+        own concurrency limit (adaptive), which always applies: a budget's rate says how many
+        messages a second, not how many sessions at once. Where a cluster budget keeps the
+        rate, the process's gate keeps none of its own."""
         budgets = self.budgets
         passed: Pass | Wait | None = None
         if budgets is not None:
@@ -199,9 +202,10 @@ class Courier:
             passed = await budgets.admit(delivery, policy)
         if isinstance(passed, Wait):
             return Postponed(passed.until, passed.reason, passed.site)
-        if passed is not None and passed.destination:
-            return passed, None
-        entered = await self.gates.enter(policy, self.delivery.throttle_wait)
+        gated = policy
+        if budgets is not None and policy.rate > 0:
+            gated = dataclasses.replace(policy, rate=0)
+        entered = await self.gates.enter(gated, self.delivery.throttle_wait)
         if isinstance(entered, Gate):
             return passed, entered
         if passed is not None and budgets is not None:

@@ -30,10 +30,6 @@ class Pass:
 
     needs: tuple[Need, ...]
 
-    @property
-    def destination(self) -> bool:
-        return any(n.key.startswith(DESTINATION) for n in self.needs)
-
 
 @dataclass(frozen=True)
 class Wait:

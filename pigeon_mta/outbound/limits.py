@@ -3,9 +3,10 @@
 A destination is what a `[delivery.destination."PATTERN"]` entry groups (a domain, or every domain
 whose MX hosts match a pattern such as "*.google.com"), else the route's site (`Route.site`: the
 set of MX hosts, so that domains hosted at one provider share its limits; a static route or the
-relayhost). Traffic is shaped by the site that receives it, not by the recipient's domain name. An entry's rate and concurrency hold for the whole cluster
-(outbound/budgets.py); the Gates here hold the per-process `destination_concurrency` of
-destinations without such a budget.
+relayhost). Traffic is shaped by the site that receives it, not by the recipient's domain name.
+An entry's rate and concurrency hold for the whole cluster (outbound/budgets.py); the Gates here
+hold every destination's per-process, adaptive `destination_concurrency` besides (and its rate
+only for a courier without the cluster's budgets).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pigeon_mta.outbound.mx import Route
 class DestinationPolicy:
     key: str  # everything with the same key shares one concurrency limit and one bucket
     tls: TlsPolicy
-    concurrency: int  # per process, for a destination without a cluster budget
+    concurrency: int  # per process (adaptive), whatever cluster budget applies too
     rate: float  # messages per second for the whole cluster; 0 means unlimited
     burst: int
     # Sessions at once for the whole cluster, when the entry sets a concurrency (0: none; the

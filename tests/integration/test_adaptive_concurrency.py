@@ -11,6 +11,7 @@ from pathlib import Path
 
 import asyncpg
 
+from pigeon_mta.config import DestinationSettings
 from tests.integration.outbound_helpers import running_engine, send, wait_until
 from tests.peers.world import mail_world
 
@@ -96,3 +97,21 @@ async def test_domains_hosted_at_one_site_share_its_limit(
             await wait_until(all_delivered, 60, "every message delivered")
         assert sorted(world.sinks.deliveries().values()) == [1] * 24
         assert world.sinks.max_in_flight == 2
+
+
+async def test_a_destination_with_only_a_rate_keeps_its_concurrency_limit(
+    tmp_path: Path, pool: asyncpg.Pool, db_url: str, org_id: uuid.UUID
+) -> None:
+    # The rate is a cluster budget; the sessions at once are still the per-process limit's (and
+    # its adaptive feedback's), not as many as the rate lets through.
+    most = await deliver_slowly(
+        tmp_path,
+        pool,
+        db_url,
+        org_id,
+        adaptive_concurrency=False,
+        destination_concurrency=3,
+        max_connections_per_host=30,
+        destination={"plain.test": DestinationSettings(rate=1000)},
+    )
+    assert most == 3, most

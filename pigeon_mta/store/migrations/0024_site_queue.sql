@@ -32,7 +32,9 @@ ALTER TABLE budget ADD COLUMN probing boolean NOT NULL DEFAULT false;
 -- A budget's tokens may now be below zero: the site claim takes the tokens of the next
 -- p_ahead seconds and the rows it claims wait for them in the engine (a token apart). The
 -- earlier budget_take forgave such a debt at its next refill; this one keeps it, and never
--- grants less than nothing. While the site is parked it grants no tokens (a delivery then waits in
+-- grants less than nothing. In backoff the bucket holds one token, not a second's worth: after a
+-- stall a throttling destination got twice its rate within a second. While the site is parked it
+-- grants no tokens (a delivery then waits in
 -- the site's queue) and says until when. Otherwise unchanged from migration 0023.
 DROP FUNCTION budget_take(text[], double precision[], integer[], double precision[], integer[],
                           integer[], text, double precision, double precision, double precision,
@@ -87,8 +89,8 @@ BEGIN
             granted := 0;
             booked := greatest(t, b.parked_until);
         ELSIF b.effective_rate > 0 THEN
-            burst := CASE WHEN b.backoff THEN greatest(1, b.effective_rate)
-                          ELSE greatest(1, v.burst) END;
+            -- In backoff one token: after a stall the destination gets no burst at all.
+            burst := CASE WHEN b.backoff THEN 1 ELSE greatest(1, v.burst) END;
             b.tokens := least(burst, b.tokens
                 + extract(epoch FROM t - b.refilled_at) * b.effective_rate);
             granted := CASE WHEN on_hold THEN 0
@@ -277,8 +279,7 @@ BEGIN
             id := NULL; delay := extract(epoch FROM b.held_until - t); RETURN NEXT;
             CONTINUE;
         END IF;
-        burst := CASE WHEN b.backoff THEN greatest(1, b.effective_rate)
-                      ELSE greatest(1, b.burst) END;
+        burst := CASE WHEN b.backoff THEN 1 ELSE greatest(1, b.burst) END;
         have := least(burst, b.tokens + extract(epoch FROM t - b.refilled_at) * b.effective_rate);
         room := least(left_over, floor(have + p_ahead * b.effective_rate)::integer);
         IF room <= 0 THEN
