@@ -212,6 +212,8 @@ def budget_row(b: store_budgets.BudgetState) -> dict[str, Any]:
     state = "ok"
     if b.parked_until is not None:
         state = f"parked, probe at {_clock(b.parked_until)}: {_short(b.parked_reason or '')}"
+    elif b.capped and not b.backoff:
+        state = "capped where it throttled us (no limits configured)"
     elif b.backoff:
         state = f"backing off since {_clock(b.throttled_at)}"
         if b.held_until is not None and b.held_until > datetime.now(UTC):

@@ -80,6 +80,7 @@ class Budgets:
         self.throttling = ThrottlingReports(settings, pool)
         self.health = SiteHealth(settings, pool)
         self._parked: frozenset[str] = frozenset()
+        self._capped: frozenset[str] = frozenset()
         self._suspended: dict[str, str] = {}
         self._org_rates: dict[uuid.UUID, float] = {}
         self._backing_off: frozenset[str] = frozenset()
@@ -98,14 +99,15 @@ class Budgets:
         needs: list[Need] = []
         key = DESTINATION + policy.key
         configured = policy.rate > 0 or policy.cluster_concurrency > 0
-        if configured or key in self._backing_off or key in self._parked:
+        held_back = key in self._backing_off or key in self._capped
+        if configured or held_back or key in self._parked:
             needs.append(
                 Need(
                     key,
                     policy.rate,
                     policy.cluster_concurrency,
                     float(policy.burst),
-                    slot=policy.cluster_concurrency > 0 or key in self._backing_off,
+                    slot=policy.cluster_concurrency > 0 or held_back,
                     label=key if configured else "destination",
                     prepaid=delivery.site == key,
                 )
@@ -345,6 +347,7 @@ class Budgets:
         self._org_rates = dict(in_force.org_rates)
         self._backing_off = in_force.backing_off
         self._parked = in_force.parked
+        self._capped = in_force.capped
         self._suspended = in_force.suspended
         self.health.failing |= in_force.parked
         BUDGETS_BACKING_OFF.set(len(in_force.backing_off))

@@ -320,6 +320,8 @@ class InForce:
     org_rates: dict[uuid.UUID, float]
     backing_off: frozenset[str]
     parked: frozenset[str] = frozenset()
+    # Destinations without configured limits held at what they took before a backoff.
+    capped: frozenset[str] = frozenset()
     # Operator suspensions in force (store/suspensions.py): key -> reason, with when it ends.
     suspended: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -332,6 +334,7 @@ async def budgets_in_force(db: Executor, *, step: float, quiet: float) -> InForc
         org_rates={uuid.UUID(r["key"]): r["rate"] for r in rows if r["kind"] == "org"},
         backing_off=frozenset(r["key"] for r in rows if r["kind"] == "backoff"),
         parked=frozenset(r["key"] for r in rows if r["kind"] == "parked"),
+        capped=frozenset(r["key"] for r in rows if r["kind"] == "capped"),
         suspended={r["key"]: r["note"] for r in rows if r["kind"] == "suspended"},
     )
 
@@ -354,13 +357,14 @@ class BudgetState:
     waiting: int = 0  # recipients in its site queue (a destination's budget)
     parked_until: datetime | None = None  # a dead site's next probe
     parked_reason: str | None = None
+    capped: bool = False  # held at what it took before a backoff (no limits configured)
 
 
 _LIST = """
 SELECT b.key, coalesce(o.name, b.key) AS name, coalesce(o.rate, b.rate) AS rate,
        b.concurrency, b.effective_rate,
        b.effective_concurrency, b.backoff, b.throttled_at, b.held_until, b.last_reply,
-       b.parked_until, b.parked_reason,
+       b.parked_until, b.parked_reason, b.capped,
        (SELECT coalesce(sum(s.slots), 0)::integer FROM budget_slot s
         WHERE s.key = b.key AND s.lease_until >= now()) AS sessions,
        (SELECT count(*)::integer FROM recipient r
@@ -369,7 +373,8 @@ FROM budget b
 LEFT JOIN org o ON b.key LIKE 'org:%' AND o.id::text = substr(b.key, 5)
 -- An org's configured rate is the org's own (a rate set back to 0 leaves its row behind).
 WHERE CASE WHEN b.key LIKE 'org:%' THEN coalesce(o.rate, 0) > 0
-           ELSE b.backoff OR b.rate > 0 OR b.concurrency > 0 OR b.parked_until IS NOT NULL END
+           ELSE b.backoff OR b.capped OR b.rate > 0 OR b.concurrency > 0
+                OR b.parked_until IS NOT NULL END
 ORDER BY b.parked_until IS NOT NULL DESC, b.backoff DESC, b.key
 """
 
@@ -392,6 +397,7 @@ async def list_budgets(db: Executor) -> list[BudgetState]:
             waiting=r["waiting"],
             parked_until=r["parked_until"],
             parked_reason=r["parked_reason"],
+            capped=r["capped"],
         )
         for r in await db.fetch(_LIST)
     ]

@@ -177,3 +177,26 @@ async def test_the_slots_of_a_run_that_is_gone_are_free_before_their_lease_ends(
     ].slots == 1
     await pool.execute("UPDATE node SET run_id = 'r2'")
     assert (await take(pool, "node-b/r9#202", request(slots=1, concurrency=1)))[KEY].slots == 1
+
+
+async def test_a_destination_without_limits_recovers_to_what_it_took_not_to_unlimited(
+    pool: asyncpg.Pool,
+) -> None:
+    """After a throttling reply at 80/s and 12 sessions, recovery stops there: a server that
+    throttled at that rate is not sent more again (a 421 sawtooth), even though nothing is
+    configured."""
+    key = "destination:site:mx.busy.test"
+    report = Throttling(key, rate=80, concurrency=12, retry_after=0, reply="421 4.7.0 slow down")
+    await budgets.report_throttling(pool, [report], factor=0.5, hold=1.0)
+    await asyncio.sleep(0.35)
+    # Recovered in steps of half (step 0.5 each quiet period of 0.3 s): 40 -> 80, 6 -> 12.
+    grant = await take(pool, "n1/r#1", GrantRequest(key, 0, 0, 1, tokens=1, slots=1), quiet=0.3)
+    assert (grant[key].effective_rate, grant[key].effective_concurrency) == (80, 12)
+    in_force = await budgets.budgets_in_force(pool, step=0.5, quiet=0.3)
+    assert key not in in_force.backing_off and key in in_force.capped
+    # It stays there: the next grants keep the cap the engines now ask for.
+    await asyncio.sleep(0.35)
+    grant = await take(pool, "n1/r#1", GrantRequest(key, 0, 0, 1, tokens=1, slots=1), quiet=0.3)
+    assert (grant[key].effective_rate, grant[key].effective_concurrency) == (80, 12)
+    listed = {b.key: b for b in await budgets.list_budgets(pool)}[key]
+    assert not listed.backoff and listed.effective_rate == 80

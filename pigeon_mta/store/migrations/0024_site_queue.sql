@@ -29,6 +29,49 @@ ALTER TABLE budget ADD COLUMN parked_reason text;
 ALTER TABLE budget ADD COLUMN park_seconds double precision NOT NULL DEFAULT 0;
 ALTER TABLE budget ADD COLUMN probing boolean NOT NULL DEFAULT false;
 
+-- A destination without configured limits that backed off recovers to what it was sending when
+-- it was throttled, and stays capped there (effective_rate, effective_concurrency), not at
+-- "unlimited": the server told us where its limit is, and going past it again made a 421
+-- sawtooth. Configuring the destination ends the cap.
+ALTER TABLE budget ADD COLUMN capped boolean NOT NULL DEFAULT false;
+
+CREATE OR REPLACE FUNCTION budget_recover(p_keys text[], p_step double precision,
+                                          p_quiet double precision)
+RETURNS void LANGUAGE sql AS $$
+WITH due AS (
+    SELECT b.key,
+           floor(extract(epoch FROM now() - greatest(b.changed_at, b.throttled_at)) / p_quiet)
+               AS periods,
+           b.rate > 0 OR b.concurrency > 0 AS configured,
+           CASE WHEN b.rate > 0 THEN b.rate ELSE b.recover_rate END AS to_rate,
+           CASE WHEN b.concurrency > 0 THEN b.concurrency ELSE b.recover_concurrency END AS to_conc
+    FROM budget b
+    WHERE b.backoff AND (p_keys IS NULL OR b.key = ANY (p_keys))
+      AND greatest(b.changed_at, b.throttled_at) <= now() - make_interval(secs => p_quiet)
+    FOR UPDATE SKIP LOCKED
+), stepped AS (
+    SELECT due.key, due.periods, due.configured,
+           least(due.to_rate, b.effective_rate + due.periods * p_step * due.to_rate) AS new_rate,
+           least(due.to_conc, b.effective_concurrency
+                 + greatest(1, ceil(due.periods * p_step * due.to_conc))::integer) AS new_conc,
+           due.to_rate, due.to_conc
+    FROM due JOIN budget b USING (key)
+)
+UPDATE budget b
+SET backoff = NOT (s.new_rate >= s.to_rate AND s.new_conc >= s.to_conc),
+    capped = NOT s.configured AND s.new_rate >= s.to_rate AND s.new_conc >= s.to_conc,
+    effective_rate = CASE WHEN s.new_rate >= s.to_rate AND s.new_conc >= s.to_conc
+                          THEN CASE WHEN s.configured THEN b.rate ELSE s.to_rate END
+                          ELSE s.new_rate END,
+    effective_concurrency = CASE WHEN s.new_rate >= s.to_rate AND s.new_conc >= s.to_conc
+                                 THEN CASE WHEN s.configured THEN b.concurrency ELSE s.to_conc END
+                                 ELSE s.new_conc END,
+    changed_at = greatest(b.changed_at, b.throttled_at)
+                 + make_interval(secs => s.periods * p_quiet),
+    updated_at = now()
+FROM stepped s WHERE b.key = s.key
+$$;
+
 -- A budget's tokens may now be below zero: the site claim takes the tokens of the next
 -- p_ahead seconds and the rows it claims wait for them in the engine (a token apart). The
 -- earlier budget_take forgave such a debt at its next refill; this one keeps it, and never
@@ -78,9 +121,12 @@ BEGIN
             IF v.conc > 0 THEN
                 b.effective_concurrency := least(b.effective_concurrency, v.conc);
             END IF;
+        ELSIF b.capped AND v.rate <= 0 AND v.conc <= 0 THEN
+            NULL;  -- capped at what it took before its backoff (budget_recover)
         ELSE
             b.effective_rate := v.rate;
             b.effective_concurrency := v.conc;
+            b.capped := false;
         END IF;
         on_hold := b.held_until IS NOT NULL AND b.held_until > t;
         granted := v.want;
@@ -137,7 +183,7 @@ BEGIN
         UPDATE budget u
         SET rate = v.rate, concurrency = v.conc, burst = v.burst,
             effective_rate = b.effective_rate, effective_concurrency = b.effective_concurrency,
-            tokens = b.tokens, refilled_at = t, booked_until = b.booked_until,
+            capped = b.capped, tokens = b.tokens, refilled_at = t, booked_until = b.booked_until,
             updated_at = t
         WHERE u.key = v.key;
         key := v.key;
@@ -379,6 +425,8 @@ BEGIN
         UNION ALL
         SELECT 'parked'::text, b.key, 0::float8, NULL FROM budget b
         WHERE b.parked_until IS NOT NULL
+        UNION ALL
+        SELECT 'capped'::text, b.key, b.effective_rate, NULL FROM budget b WHERE b.capped
         UNION ALL
         -- Operator suspensions in force: the engines hand such mail back unattempted.
         -- (the note as store/suspensions.py's NOTE words it)
