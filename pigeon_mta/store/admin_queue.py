@@ -101,6 +101,7 @@ class Selection:
 _SET = {
     "retry": """status = 'queued', next_attempt_at = now(), updated_at = now(),
                 lease_until = NULL, lease_owner = NULL,
+                site = CASE WHEN r.site = 'later' THEN NULL ELSE r.site END,
                 created_at = CASE WHEN r.status IN ('bounced', 'expired') THEN now()
                                   ELSE r.created_at END,
                 delay_warned_at = CASE WHEN r.status IN ('bounced', 'expired') THEN NULL

@@ -99,6 +99,15 @@ WITH RECURSIVE groups AS (
         ORDER BY next_attempt_at LIMIT $3
         FOR UPDATE SKIP LOCKED) x
     LIMIT greatest(0, (SELECT n FROM batch) - (SELECT count(*) FROM fair))
+), wake AS (
+    -- Deferred recipients whose next attempt is due leave the retry queue (migration 0024): the
+    -- next claim finds them (this one reads the table as it was when it began).
+    UPDATE recipient r SET site = NULL
+    WHERE r.id = ANY (ARRAY (
+        SELECT id FROM recipient
+        WHERE status = 'queued' AND site = 'later' AND next_attempt_at <= now()
+        ORDER BY next_attempt_at LIMIT 10 * $3::int
+        FOR UPDATE SKIP LOCKED))
 ), c AS (
     UPDATE recipient r
     SET status = 'delivering',

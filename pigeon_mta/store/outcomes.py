@@ -67,7 +67,10 @@ WITH v AS (
         last_enhanced_code = v.enhanced_code,
         last_response = v.response,
         postponed = NULL,
-        site = NULL,
+        -- A deferred recipient waits for its next attempt in the retry queue, out of the claim's
+        -- way (store/leases.py wakes it when it is due); every other one leaves its queue.
+        site = CASE WHEN v.outcome = 'deferred' AND v.next_attempt_at > now()
+                    THEN 'later' END,
         updated_at = now()
     FROM v
     WHERE r.id = v.recipient_id AND r.status = $21 AND r.attempts = v.attempt

@@ -166,3 +166,21 @@ async def test_a_suspended_org_or_lane_is_passed_over_by_both_claims(pool: async
         assert (await claim(pool)).rows == []
         await asyncio.sleep(0.6)
     assert len((await claim(pool)).rows) == 20
+
+
+async def test_deferred_mail_waits_in_the_retry_queue_and_is_woken_when_due(
+    pool: asyncpg.Pool,
+) -> None:
+    org = await ensure_org(pool, "retrying")
+    await bulk_queue(pool, org, messages=5, domain="retry.test")
+    # As the record leaves a deferred recipient: in the retry queue until its next attempt.
+    await pool.execute(
+        "UPDATE recipient SET site = 'later', attempts = 1,"
+        " next_attempt_at = now() + interval '300 milliseconds'"
+    )
+    assert (await claim(pool)).rows == []
+    await asyncio.sleep(0.35)
+    assert (await claim(pool)).rows == []  # this claim wakes them; the next one takes them
+    assert await pool.fetchval("SELECT count(*) FROM recipient WHERE site IS NULL") == 5
+    claimed = await claim(pool)
+    assert len(claimed.rows) == 5 and all(row.site is None for row in claimed.rows)
