@@ -4,7 +4,7 @@ Runs against a scratch database it creates (and drops) on the server given by --
 local PostgreSQL on 127.0.0.1:5432). Every phase is bounded in count and time.
 
     .venv/bin/python bench/queue_bench.py [--url postgresql://postgres@127.0.0.1/postgres] [--quick]
-        [--part enqueue|claim-record|large-table]
+        [--part enqueue|claim-record|large-table|fair|deferred]
 """
 
 from __future__ import annotations
@@ -297,7 +297,7 @@ async def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller counts (a smoke run)")
     parser.add_argument(
         "--part",
-        choices=["enqueue", "claim-record", "large-table", "fair", "all"],
+        choices=["enqueue", "claim-record", "large-table", "fair", "deferred", "all"],
         default="all",
         help="run one part only (for A/B runs of a change)",
     )
@@ -364,6 +364,8 @@ async def main() -> None:
             await large_table_part(conn, url, org_id, scale, results)
         if args.part in ("fair", "all"):
             await fair_part(conn, url, org_id, scale, results)
+        if args.part in ("deferred", "all"):
+            await deferred_part(conn, url, org_id, scale, results)
         await conn.close()
     finally:
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
@@ -471,6 +473,70 @@ async def fair_part(
         )
     )
     await conn.execute("TRUNCATE message, recipient, attempt CASCADE")
+
+
+async def load_deferred_orgs(conn: asyncpg.Connection, orgs: int) -> None:
+    """`orgs` orgs with one deferred recipient each, due in an hour, as the record leaves them
+    (in the retry queue where the schema has one)."""
+    await conn.execute(
+        "INSERT INTO org (id, name) SELECT gen_random_uuid(), 'deferred-' || i"
+        " FROM generate_series(1, $1) AS i",
+        orgs,
+    )
+    has_site = await conn.fetchval(
+        "SELECT count(*) FROM information_schema.columns"
+        " WHERE table_name = 'recipient' AND column_name = 'site'"
+    )
+    site = ", 'later'" if has_site else ""
+    await conn.execute(
+        f"""
+        WITH m AS (
+            INSERT INTO message (id, org_id, sender, size, body, listener, received_at)
+            SELECT gen_random_uuid(), o.id, 'sender@example.com', 20, 'x', 'bench', now()
+            FROM org o WHERE o.name LIKE 'deferred-%'
+            RETURNING id, org_id
+        )
+        INSERT INTO recipient (id, message_id, org_id, address, domain, created_at,
+                               next_attempt_at, attempts{", site" if has_site else ""})
+        SELECT gen_random_uuid(), m.id, m.org_id, 'rcpt@deferred.example', 'deferred.example',
+               now(), now() + interval '1 hour', 1{site}
+        FROM m
+        """
+    )
+
+
+async def deferred_part(
+    conn: asyncpg.Connection,
+    url: str,
+    org_id: uuid.UUID,
+    scale: float,
+    results: list[tuple[str, str]],
+) -> None:
+    """Claim + record beside 20,000 orgs that hold deferred mail, against the same without."""
+    n = int(200_000 * scale)
+    await load_due(conn, org_id, n)
+    await settle(conn)
+    alone = await asyncio.to_thread(claim_record_rate_processes, url, 2, 2, n // 2, 20)
+    await conn.execute("TRUNCATE message, recipient, attempt CASCADE")
+    orgs = int(20_000 * scale)
+    await load_deferred_orgs(conn, orgs)
+    await load_due(conn, org_id, n)
+    await settle(conn)
+    beside = await asyncio.to_thread(claim_record_rate_processes, url, 2, 2, n // 2, 20)
+    results.append(
+        (
+            "claim + record delivered, 2 processes x 2 connections, no deferred mail",
+            f"{alone:,.0f} recipients/s",
+        )
+    )
+    results.append(
+        (
+            f"the same beside {orgs:,} orgs holding deferred mail",
+            f"{beside:,.0f} recipients/s ({beside / alone:.0%}; target >= 90%)",
+        )
+    )
+    await conn.execute("TRUNCATE message, recipient, attempt CASCADE")
+    await conn.execute("DELETE FROM org WHERE name LIKE 'deferred-%'")
 
 
 if __name__ == "__main__":
