@@ -37,11 +37,13 @@ def group_deliveries(
     makes recipients of one message at domains that share a static route or the relayhost travel
     together; by default each domain is a destination of its own."""
     bodies = {row.message_id: row.body for row in rows if row.body is not None}
-    groups: dict[tuple[uuid.UUID, str], list[ClaimedRow]] = {}
+    # Rows from a site's queue (their token taken by the claim) and rows without one never share
+    # a delivery: each pays its own way through the budgets.
+    groups: dict[tuple[uuid.UUID, str, str | None], list[ClaimedRow]] = {}
     for row in rows:
-        groups.setdefault((row.message_id, destination(row.domain)), []).append(row)
+        groups.setdefault((row.message_id, destination(row.domain), row.site), []).append(row)
     deliveries = []
-    for (message_id, _destination), members in groups.items():
+    for (message_id, _destination, _site), members in groups.items():
         members.sort(key=lambda row: row.recipient.address)
         first = members[0]
         deliveries.append(

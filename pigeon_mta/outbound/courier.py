@@ -42,6 +42,7 @@ from pigeon_mta.outbound.mx import Route, RouteFailure, Router
 from pigeon_mta.outbound.outcome import RATE_LIMIT_IS_TEMPORARY, judge
 from pigeon_mta.outbound.pool import ConnectionPool, NotConnected
 from pigeon_mta.signer import KeysUnavailable
+from pigeon_mta.store.budgets import DESTINATION
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,11 @@ class Courier:
                 started_at,
             )
         policy = policy_for(self.delivery, delivery.domain, route)
+        if self.budgets is not None and delivery.site and delivery.site.startswith(DESTINATION):
+            if delivery.site != DESTINATION + policy.key:
+                # Its site's queue is not where this mail goes now: that site is not left
+                # parked for mail that no longer reaches it.
+                self.budgets.health.moved(delivery.site)
         entered = await self._enter(delivery, policy)
         if isinstance(entered, Postponed):
             return entered

@@ -61,6 +61,13 @@ class SiteHealth:
         self._pending[key] = _Pending(healthy=True)
         self._schedule()
 
+    def moved(self, key: str) -> None:
+        """Mail claimed from the queue of site `key` routes elsewhere now (its MX set changed):
+        that site is not parked any more (its queue goes back to the general claim), whatever
+        this process knew of it."""
+        self._pending[key] = _Pending(healthy=True)
+        self._schedule()
+
     def _schedule(self) -> None:
         if self._reporter is None or self._reporter.done():
             self._reporter = asyncio.create_task(self._report(), name="site-health")

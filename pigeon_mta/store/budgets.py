@@ -253,8 +253,8 @@ WITH v AS (
     FROM v JOIN c USING (key)
 ), y AS (
     SELECT x.*,
-           CASE WHEN x.healthy THEN 0
-                WHEN x.parked_until IS NULL THEN
+           -- (after a healthy one, only the failures that followed it count)
+           CASE WHEN x.healthy OR x.parked_until IS NULL THEN
                     CASE WHEN $5 > 0 AND x.total >= $5 THEN $6::float8 ELSE 0 END
                 WHEN x.probing AND x.failed > 0 THEN least($7, greatest($6, x.park_seconds * 2))
                 ELSE x.park_seconds END AS secs
@@ -264,12 +264,13 @@ UPDATE budget b
 SET failures = y.total,
     park_seconds = y.secs,
     parked_until = CASE WHEN y.secs = 0 THEN NULL
-                        WHEN y.parked_until IS NULL OR (y.probing AND y.failed > 0)
+                        WHEN y.parked_until IS NULL OR y.healthy OR (y.probing AND y.failed > 0)
                             THEN now() + make_interval(secs => y.secs)
                         ELSE y.parked_until END,
     probing = CASE WHEN y.secs = 0 OR y.failed > 0 THEN false ELSE b.probing END,
     parked_reason = CASE WHEN y.secs = 0 THEN NULL
-                         WHEN y.parked_until IS NULL OR (y.probing AND y.failed > 0) THEN y.reason
+                         WHEN y.parked_until IS NULL OR y.healthy OR (y.probing AND y.failed > 0)
+                             THEN y.reason
                          ELSE b.parked_reason END,
     updated_at = now()
 FROM y WHERE b.key = y.key

@@ -184,3 +184,17 @@ async def test_deferred_mail_waits_in_the_retry_queue_and_is_woken_when_due(
     assert await pool.fetchval("SELECT count(*) FROM recipient WHERE site IS NULL") == 5
     claimed = await claim(pool)
     assert len(claimed.rows) == 5 and all(row.site is None for row in claimed.rows)
+
+
+async def test_a_held_site_without_a_rate_keeps_its_queue_until_the_delay_ends(
+    pool: asyncpg.Pool,
+) -> None:
+    # A budget of sessions only (or one whose backoff ended) with a stated retry delay: its
+    # queue is held, not given back to the general claim to come straight back.
+    org = await ensure_org(pool, "held-sessions")
+    await in_site_queue(pool, org, 10)
+    await budget(pool, tokens=0, held_for=30)
+    await pool.execute("UPDATE budget SET rate = 0, effective_rate = 0, concurrency = 5")
+    claimed = await claim(pool)
+    assert claimed.rows == [] and claimed.come_back is not None and claimed.come_back > 25
+    assert await pool.fetchval("SELECT count(*) FROM recipient WHERE site = $1", SITE) == 10

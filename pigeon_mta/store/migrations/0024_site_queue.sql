@@ -6,24 +6,29 @@
 -- until the claim's `site_pick` below takes it: no booked due time, no claim-and-hand-back round
 -- every minute. An attempt's record clears it (store/outcomes.py). The general claim takes only
 -- rows without a site.
-ALTER TABLE recipient ADD COLUMN site text;
+-- (IF NOT EXISTS: an operator who builds the indexes below beforehand adds it first; it takes no
+-- table rewrite.)
+ALTER TABLE recipient ADD COLUMN IF NOT EXISTS site text;
 
 -- The general claim's index (migration 0017) holds only rows without a site, so that a site's
 -- waiting backlog costs its skip scan nothing.
-CREATE INDEX recipient_due_general ON recipient (org_id, lane, next_attempt_at)
+-- IF NOT EXISTS (here and below): on a large queue an operator may build these beforehand with
+-- CREATE INDEX CONCURRENTLY, under these names and definitions (deploy/README.md, "Upgrades and
+-- large queues"); built here, each blocks writes to recipient while it is built.
+CREATE INDEX IF NOT EXISTS recipient_due_general ON recipient (org_id, lane, next_attempt_at)
     WHERE status = 'queued' AND site IS NULL;
 DROP INDEX recipient_due_group;
 ALTER INDEX recipient_due_general RENAME TO recipient_due_group;
 
 -- The site queues: per site, the (org, lane) groups waiting, each oldest first.
-CREATE INDEX recipient_site_due ON recipient (site, org_id, lane, next_attempt_at)
+CREATE INDEX IF NOT EXISTS recipient_site_due ON recipient (site, org_id, lane, next_attempt_at)
     WHERE status = 'queued' AND site IS NOT NULL;
 
 -- The retry queue: a deferred recipient waits for its next attempt with site 'later'
 -- (store/outcomes.py), so that the general claim's skip scan does not visit every group with
 -- deferred mail (20,000 tenants with a deferred recipient each made every claim take 68 ms); the
 -- claim wakes the due ones, oldest first, through this index (store/leases.py).
-CREATE INDEX recipient_later ON recipient (next_attempt_at)
+CREATE INDEX IF NOT EXISTS recipient_later ON recipient (next_attempt_at)
     WHERE status = 'queued' AND site = 'later';
 
 -- Dead sites (store/budgets.py, report_connections): failed connections in a row, cluster-wide,
@@ -312,6 +317,7 @@ BEGIN
                 SELECT x.id, 0::float8 FROM (
                     SELECT r.id FROM recipient r
                     WHERE r.status = 'queued' AND r.site = s.site AND r.next_attempt_at <= t
+                      AND NOT suspended(r.org_id, r.lane)
                     ORDER BY r.site, r.org_id, r.lane, r.next_attempt_at LIMIT 1
                     FOR UPDATE SKIP LOCKED) x;
             IF FOUND THEN
@@ -322,15 +328,17 @@ BEGIN
             END IF;
             CONTINUE;
         END IF;
+        -- A stated retry delay holds the queue, with or without a rate (a budget of sessions
+        -- only, or one whose backoff ended, holds it as long).
+        IF b.held_until IS NOT NULL AND b.held_until > t THEN
+            id := NULL; delay := extract(epoch FROM b.held_until - t); RETURN NEXT;
+            CONTINUE;
+        END IF;
         IF b.effective_rate <= 0 THEN
             UPDATE recipient r SET site = NULL, updated_at = now()
             WHERE r.id = ANY (ARRAY (
                 SELECT q.id FROM recipient q WHERE q.status = 'queued' AND q.site = s.site
                 FOR UPDATE SKIP LOCKED));
-            CONTINUE;
-        END IF;
-        IF b.held_until IS NOT NULL AND b.held_until > t THEN
-            id := NULL; delay := extract(epoch FROM b.held_until - t); RETURN NEXT;
             CONTINUE;
         END IF;
         burst := CASE WHEN b.backoff THEN 1 ELSE greatest(1, b.burst) END;
