@@ -9,6 +9,7 @@ from collections import Counter
 
 import asyncpg
 
+from pigeon_mta.outbound.claims import group_deliveries
 from pigeon_mta.store import leases, suspensions
 from pigeon_mta.store.orgs import ensure_org
 from tests.integration.queue_helpers import LANE_WEIGHTS, bulk_queue
@@ -198,3 +199,18 @@ async def test_a_held_site_without_a_rate_keeps_its_queue_until_the_delay_ends(
     claimed = await claim(pool)
     assert claimed.rows == [] and claimed.come_back is not None and claimed.come_back > 25
     assert await pool.fetchval("SELECT count(*) FROM recipient WHERE site = $1", SITE) == 10
+
+
+async def test_a_message_to_many_recipients_of_a_site_costs_one_token(
+    pool: asyncpg.Pool,
+) -> None:
+    org = await ensure_org(pool, "list")
+    await bulk_queue(pool, org, messages=1, recipients_per_message=30, domain="list.test")
+    await pool.execute("UPDATE recipient SET site = $1", SITE)
+    await budget(pool, tokens=2)
+    claimed = await claim(pool)
+    # All 30 in one claim and one delivery, for one token.
+    assert len(claimed.rows) == 30 and {row.site_delay for row in claimed.rows} == {0.0}
+    assert len(group_deliveries(claimed.rows)) == 1
+    tokens = await pool.fetchval("SELECT tokens FROM budget WHERE key = $1", SITE)
+    assert 1.0 <= tokens < 2.0, tokens  # 2 and what refilled since, less one

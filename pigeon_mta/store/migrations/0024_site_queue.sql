@@ -266,6 +266,7 @@ DECLARE
     left_over integer := p_limit;
     picked uuid[];
     n integer;
+    tokens_taken integer;
 BEGIN
     FOR s IN
         WITH RECURSIVE sites AS (
@@ -412,13 +413,31 @@ BEGIN
         IF n = 0 THEN
             CONTINUE;
         END IF;
-        UPDATE budget u SET tokens = have - n, refilled_at = t, updated_at = t
+        -- A token is a message: the other recipients of the messages picked that wait in this
+        -- queue come along (one transaction, one token); each message's rows share the delay
+        -- of its token, in the order the messages were picked.
+        picked := picked || ARRAY (
+            SELECT q.id FROM recipient q
+            WHERE q.message_id = ANY (ARRAY (
+                      SELECT r.message_id FROM recipient r WHERE r.id = ANY (picked)))
+              AND q.status = 'queued' AND q.site = s.site AND q.id <> ALL (picked)
+            FOR UPDATE SKIP LOCKED);
+        SELECT count(DISTINCT r.message_id)::integer INTO tokens_taken
+        FROM recipient r WHERE r.id = ANY (picked);
+        UPDATE budget u SET tokens = have - tokens_taken, refilled_at = t, updated_at = t
         WHERE u.key = s.site;
-        left_over := left_over - n;
+        left_over := left_over - cardinality(picked);
         RETURN QUERY
-            SELECT p.id, greatest(0, (p.i - have) / b.effective_rate)
-            FROM unnest(picked) WITH ORDINALITY AS p (id, i);
-        IF n >= room AND room < left_over + n THEN
+            WITH p AS (
+                SELECT u.id, u.i, r.message_id
+                FROM unnest(picked) WITH ORDINALITY AS u (id, i) JOIN recipient r ON r.id = u.id
+            ), k AS (
+                SELECT p.message_id, rank() OVER (ORDER BY min(p.i)) AS k
+                FROM p GROUP BY p.message_id
+            )
+            SELECT p.id, greatest(0, (k.k - have) / b.effective_rate)::float8
+            FROM p JOIN k USING (message_id);
+        IF n >= room AND room < left_over + cardinality(picked) THEN
             -- The budget's room is used up and more may wait: come back as it refills.
             id := NULL; delay := greatest(0.05, p_ahead / 2); RETURN NEXT;
         END IF;
