@@ -168,14 +168,16 @@ class Budgets:
         result = await request.done
         if isinstance(result, Wait):
             BUDGET_POSTPONED.labels(budget=result.need.label, reason=result.kind).inc()
-            self._refund(needs, loop.time())
+            self.refund(needs)
         return result
 
-    def _refund(self, needs: Iterable[Need], now: float) -> None:
-        """A token the claim took for a delivery that then waits is this process's spare."""
+    def refund(self, needs: Iterable[Need]) -> None:
+        """A token the claim took for a delivery that then waits (for another budget, a
+        suspension, the process's own concurrency) is this process's spare for the next one."""
+        now = asyncio.get_running_loop().time()
         for need in needs:
-            held = self._held.get(need.key)
-            if need.prepaid and held is not None:
+            if need.prepaid:
+                held = self._held.setdefault(need.key, Held())
                 if held.tokens_until < now:
                     held.tokens = 0
                 held.tokens += 1

@@ -204,6 +204,7 @@ class Courier:
             held = await budgets.suspension(delivery, policy)
             if held is not None:
                 queue, note = held
+                budgets.refund(budgets.needs(delivery, policy))
                 return Postponed(datetime.now(UTC), note, queue)
             passed = await budgets.admit(delivery, policy)
         if isinstance(passed, Wait):
@@ -216,6 +217,7 @@ class Courier:
             return passed, entered
         if passed is not None and budgets is not None:
             budgets.leave(passed, None)
+            budgets.refund(passed.needs)
         wait = entered * self.rng.uniform(1.0, 1.2)
         return Postponed(datetime.now(UTC) + timedelta(seconds=wait))
 
