@@ -240,9 +240,9 @@ async def paced_load(port: int, rate: float, count: int, sessions: int, size: in
 
 
 async def start_serve(
-    config: Path, log: Path, processes: int, listener: str = "relay"
+    config: Path, log: Path, processes: int, listener: str = "relay", ready: str = ""
 ) -> subprocess.Popen[str]:
-    """`pigeon-mta serve`, once every worker has bound `listener`."""
+    """`pigeon-mta serve`, once every worker has bound `listener` (or logged `ready`)."""
     with open(log, "w") as out:
         serve = subprocess.Popen(
             [sys.executable, "-m", "pigeon_mta", "serve", "--config", str(config)],
@@ -253,7 +253,8 @@ async def start_serve(
             text=True,
         )
     deadline = time.monotonic() + 60
-    while log.read_text().count(f"listener {listener} bound") < processes:
+    ready = ready or f"listener {listener} bound"
+    while log.read_text().count(ready) < processes:
         if time.monotonic() > deadline or serve.poll() is not None:
             stop_serve(serve)
             raise SystemExit("serve did not start:\n" + log.read_text())

@@ -23,7 +23,6 @@ import os
 import platform
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,7 +35,7 @@ from aiosmtpd.controller import Controller
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.e2e import free_port, run, stop_serve, with_db  # noqa: E402
+from bench.e2e import free_port, run, start_serve, stop_serve, with_db  # noqa: E402
 
 
 class ThrottlingSink:
@@ -108,26 +107,6 @@ async def queue_backlog(conn: asyncpg.Connection, count: int) -> None:
     )
 
 
-async def start_engines(config: Path, log: Path, processes: int) -> subprocess.Popen[str]:
-    """`pigeon-mta serve` (no listeners), once every worker's engine has started."""
-    with open(log, "w") as out:
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "pigeon_mta", "serve", "--config", str(config)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            cwd=REPO,
-            text=True,
-        )
-    deadline = time.monotonic() + 60
-    while log.read_text().count("delivery engine started") < processes:
-        if time.monotonic() > deadline or serve.poll() is not None:
-            stop_serve(serve)
-            raise SystemExit("serve did not start:\n" + log.read_text())
-        await asyncio.sleep(0.2)
-    return serve
-
-
 def windows(sink: ThrottlingSink, start: float, end: float, width: float) -> list[dict[str, float]]:
     out = []
     t = start
@@ -181,7 +160,9 @@ async def main() -> None:
         try:
             await queue_backlog(conn, args.backlog)
             started = time.monotonic()
-            serve = await start_engines(config, work / "serve.log", args.processes)
+            serve = await start_serve(
+                config, work / "serve.log", args.processes, ready="delivery engine started"
+            )
             await asyncio.sleep(max(0.0, started + args.seconds - time.monotonic()))
             ended = time.monotonic()
             stop_serve(serve)
