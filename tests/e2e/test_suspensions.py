@@ -89,3 +89,31 @@ async def test_suspended_mail_waits_on_both_nodes_until_resumed_or_its_time_ends
             "queue", "resume", "--org", "suspect", env={"PIGEON_DATABASE_URL": db_url}
         ).stderr
     )
+
+
+def test_suspend_names_a_site_as_queue_lists_it_and_refuses_bad_input(db_url: str) -> None:
+    env = {"PIGEON_DATABASE_URL": db_url}
+    done = run_pigeon(
+        "queue", "suspend", "--site", " MX2.Example.net, mx1.example.net", "--json", env=env
+    )
+    assert done.returncode == 0, done.stderr
+    # The MX host names in any order and case: the site's key as the engines make it.
+    assert (
+        json.loads(done.stdout)["suspended"] == "destination:site:mx1.example.net,mx2.example.net"
+    )
+    shown = json.loads(run_pigeon("queue", "--json", env=env).stdout)["suspensions"]
+    assert [s["key"] for s in shown] == ["destination:site:mx1.example.net,mx2.example.net"]
+    for args, says in (
+        (("--site", "pattern:*.google.com", "--for", "0s"), "--for must be longer than zero"),
+        (("--site", "relayhost", "--for", "soon"), "--for:"),
+        (("--lane", "nope"), "there is no lane 'nope'"),
+        (("--org", "nobody"), "there is no org named 'nobody'"),
+        (("--domain", "bad..domain"), "--domain:"),
+    ):
+        refused = run_pigeon("queue", "suspend", *args, env=env)
+        assert refused.returncode == 1 and says in refused.stderr, (args, refused.stderr)
+        assert "Traceback" not in refused.stderr
+    assert run_pigeon("queue", "suspend", env=env).returncode == 2  # which one: required
+    resumed = run_pigeon("queue", "resume", "--site", "mx1.example.net,mx2.example.net", env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(run_pigeon("queue", "--json", env=env).stdout)["suspensions"] == []
