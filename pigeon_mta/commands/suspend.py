@@ -127,9 +127,10 @@ def print_suspensions(args: argparse.Namespace, rows: list[suspensions.Suspensio
                 "suspended": s.key,
                 "until": f"{s.until:%Y-%m-%d %H:%M:%S}" if s.until else "resumed",
                 "waiting": s.waiting,
+                "by": s.kind,
                 "reason": s.reason,
             }
             for s in rows
         ],
-        ["suspended", "until", "waiting", "reason"],
+        ["suspended", "until", "waiting", "by", "reason"],
     )

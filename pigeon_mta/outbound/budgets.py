@@ -11,7 +11,8 @@ then given back, with the idle connections they stood for closed first: a pooled
 session at the destination. Destinations without a budget cost nothing here: no statement at all.
 
 A throttling reply (classified rate-limited) makes the destination's budget one this process asks
-for, also when it has no configured limit (outbound/throttling.py reports it for the cluster).
+for, also when it has no configured limit (outbound/throttling.py reports it for the cluster); a
+retry delay it states holds the site for the org whose mail got it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pigeon_mta.outbound.throttling import ThrottlingReports
 from pigeon_mta.store import budgets as store
 from pigeon_mta.store.budgets import DESTINATION, LANE, ORG, GrantRequest
 from pigeon_mta.store.connect import DB_ERRORS
+from pigeon_mta.store.suspensions import hold_key
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ class Budgets:
         # Processes of one node share its lease owner: each holds its own slots.
         self.holder = f"{owner}#{os.getpid()}"
         self._held: dict[str, Held] = {}
-        self.throttling = ThrottlingReports(settings, pool)
+        self.throttling = ThrottlingReports(settings, pool, self.holder)
         self.health = SiteHealth(settings, pool)
         self._parked: frozenset[str] = frozenset()
         self._capped: frozenset[str] = frozenset()
@@ -126,20 +128,23 @@ class Budgets:
     async def suspension(
         self, delivery: Delivery, policy: DestinationPolicy
     ) -> tuple[str | None, str] | None:
-        """When an operator suspended this delivery's site, domain, org or lane: the queue it
-        waits in (a site's or a domain's; None: its own, which the claims pass over while the
-        suspension lasts) and the suspension's reason."""
+        """When an operator suspended this delivery's site, domain, org or lane, or its site holds
+        its org's mail after a stated retry delay: the queue it waits in (a site's, a domain's or
+        the hold's; None: its own, which the claims pass over while the suspension lasts) and
+        the suspension's reason."""
         self._refresh_soon()
         if not self._read_once and self._refresh is not None:
             await asyncio.shield(self._refresh)
         if not self._suspended:
             return None
         site, domain = DESTINATION + policy.key, "domain:" + delivery.domain.lower()
+        hold = hold_key(site, delivery.org_id)
         for key, queue in (
             (site, site),
             (domain, domain),
             ("org:" + str(delivery.org_id), None),
             ("lane:" + delivery.lane, None),
+            (hold, hold),
         ):
             note = self._suspended.get(key)
             if note is not None:
@@ -356,11 +361,20 @@ class Budgets:
 
     # ------------------------------------------------------------ throttling
 
-    def throttled(self, policy: DestinationPolicy, reply: Reply, retry_after: float) -> None:
+    def throttled(
+        self, policy: DestinationPolicy, reply: Reply, retry_after: float, org_id: uuid.UUID
+    ) -> None:
         """A throttling reply from this destination: reported for the cluster; from now on this
-        process takes the destination's grants from the database."""
-        self.throttling.throttled(policy, reply, retry_after)
+        process takes the destination's grants from the database. A retry delay it states
+        holds the site for `org_id`'s mail (at once in this process)."""
+        self.throttling.throttled(policy, reply)
         self._backing_off = self._backing_off | {DESTINATION + policy.key}
+        if retry_after > 0:
+            key = hold_key(DESTINATION + policy.key, org_id)
+            self.throttling.hold(key, retry_after, reply)
+            if key not in self._suspended:  # (until the next read has the database's note)
+                note = f"held for its org: the destination asked to retry in {retry_after:g} s"
+                self._suspended = self._suspended | {key: note}
 
     # ------------------------------------------------------------ slots given back
 

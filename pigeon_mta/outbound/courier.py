@@ -184,7 +184,8 @@ class Courier:
         if budgets is not None:
             if throttled is not None:
                 # It lowers the destination's budget for the whole cluster.
-                budgets.throttled(policy, throttled, stated_retry_delay(throttled.text) or 0.0)
+                delay = stated_retry_delay(throttled.text) or 0.0
+                budgets.throttled(policy, throttled, delay, delivery.org_id)
             if outcome == "connection-error":
                 budgets.health.failed(policy.key, results[0].reply.text if results else "")
             else:

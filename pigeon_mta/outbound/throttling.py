@@ -2,9 +2,14 @@
 
 A reply classified rate-limited lowers the destination's effective rate and concurrency for every
 node (store/budgets.py: multiplicatively, then additive recovery). The decrease starts from what
-was being sent: the configured limits, or, for a destination without any, this process's own rate
-and sessions there, which it keeps count of for every destination (a few dict operations per
-transaction, no statement). Replies are merged per destination and reported in one statement.
+was being sent: the limits in force, or, for a destination without any, the rates and sessions
+of every process that reports within the decrease's hold, added up. Each process keeps count of
+its own for every destination (a few dict operations per transaction, no statement). Replies are
+merged per destination and reported in one statement.
+
+A retry delay the reply states holds the site for the org whose mail got it (a suspension of
+kind 'reply', store/suspensions.py), not for every org: this process holds it at once, the
+others when they next read the suspensions (within a second).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pigeon_mta.metrics import DESTINATION_THROTTLING
 from pigeon_mta.model import Reply
 from pigeon_mta.outbound.limits import DestinationPolicy
 from pigeon_mta.store import budgets as store
+from pigeon_mta.store import suspensions
 from pigeon_mta.store.budgets import DESTINATION, Throttling
 from pigeon_mta.store.connect import DB_ERRORS
 
@@ -54,11 +60,13 @@ class _Traffic:
 class ThrottlingReports:
     """Counts this process's traffic per destination and reports throttling replies."""
 
-    def __init__(self, settings: Settings, pool: asyncpg.Pool) -> None:
+    def __init__(self, settings: Settings, pool: asyncpg.Pool, holder: str) -> None:
         self.delivery = settings.delivery
         self.pool = pool
+        self.holder = holder
         self._traffic: dict[str, _Traffic] = {}
         self._reports: dict[str, Throttling] = {}
+        self._holds: dict[str, tuple[float, str]] = {}  # hold key: (seconds, reason)
         self._reporter: asyncio.Task[None] | None = None
 
     def sending(self, policy: DestinationPolicy) -> None:
@@ -77,7 +85,7 @@ class ThrottlingReports:
         if traffic is not None:
             traffic.in_flight -= 1
 
-    def throttled(self, policy: DestinationPolicy, reply: Reply, retry_after: float) -> None:
+    def throttled(self, policy: DestinationPolicy, reply: Reply) -> None:
         """Report a throttling reply from this destination (in a batch, at once)."""
         key = DESTINATION + policy.key
         configured = policy.rate > 0 or policy.cluster_concurrency > 0
@@ -86,27 +94,42 @@ class ThrottlingReports:
         earlier = self._reports.get(key)
         self._reports[key] = Throttling(
             key,
+            self.holder,
             max(traffic.rate, float(traffic.count), earlier.rate if earlier else 1.0),
             max(traffic.in_flight, earlier.concurrency if earlier else 1),
-            max(retry_after, earlier.retry_after if earlier else 0.0),
             str(reply),
         )
+        self._report_soon()
+
+    def hold(self, key: str, seconds: float, reply: Reply) -> None:
+        """Report a site's stated retry delay for one org (`suspensions.hold_key`)."""
+        earlier = self._holds.get(key)
+        if earlier is None or seconds > earlier[0]:
+            reason = f"the destination asked to retry in {seconds:g} s ({reply})"
+            self._holds[key] = (seconds, reason)
+        self._report_soon()
+
+    def _report_soon(self) -> None:
         if self._reporter is None or self._reporter.done():
             self._reporter = asyncio.create_task(self._report(), name="budget-throttling")
 
     async def _report(self) -> None:
-        while self._reports:
+        while self._reports or self._holds:
             await asyncio.sleep(REPORT_WINDOW)
             reports, self._reports = list(self._reports.values()), {}
+            holds, self._holds = self._holds, {}
             try:
                 await store.report_throttling(
                     self.pool, reports, factor=self.delivery.backoff_factor, hold=DECREASE_HOLD
                 )
+                await suspensions.hold(self.pool, holds)
             except DB_ERRORS as exc:
                 log.warning("cannot report throttling replies: %s", exc)
                 return
             for report in reports:
                 log.info("destination %s is throttling: %s", report.key, report.reply)
+            for key, (seconds, _) in holds.items():
+                log.info("destination %s asked to retry in %g s", key, seconds)
 
     async def close(self) -> None:
         if self._reporter is not None:

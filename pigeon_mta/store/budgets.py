@@ -153,68 +153,28 @@ class Throttling:
     """Throttling replies of one destination seen by one engine since its last report."""
 
     key: str
+    holder: str  # the engine (budget_slot's holder): each adds its own traffic once per decrease
     rate: float  # what the engine was sending there (messages per second, at least 1)
     concurrency: int  # its sessions there (at least 1)
-    retry_after: float  # a retry delay the reply stated (0: none)
     reply: str
-
-
-# Multiplicative decrease, at most once per `hold` seconds (the replies of one overload arrive
-# together and are one signal); every reply restarts the quiet period and may set a retry delay.
-# A destination without a budget gets one, starting from what the reporting engine was sending.
-_THROTTLED = """
-INSERT INTO budget AS b (key, effective_rate, effective_concurrency, recover_rate,
-                         recover_concurrency, backoff, changed_at, throttled_at, held_until,
-                         last_reply, tokens)
-SELECT v.key, greatest(1, v.rate * $6), greatest(1, floor(v.conc * $6))::integer, v.rate, v.conc,
-       true, now(), now(),
-       CASE WHEN v.retry_after > 0 THEN now() + make_interval(secs => v.retry_after) END,
-       v.reply, 0
-FROM unnest($1::text[], $2::float8[], $3::int[], $4::float8[], $5::text[])
-    AS v (key, rate, conc, retry_after, reply)
-ON CONFLICT (key) DO UPDATE SET
-    effective_rate = CASE
-        WHEN b.backoff AND b.changed_at > now() - make_interval(secs => $7) THEN b.effective_rate
-        ELSE greatest(1, CASE WHEN b.effective_rate > 0 THEN b.effective_rate
-                              ELSE excluded.recover_rate END * $6) END,
-    effective_concurrency = CASE
-        WHEN b.backoff AND b.changed_at > now() - make_interval(secs => $7)
-            THEN b.effective_concurrency
-        ELSE greatest(1, floor(CASE WHEN b.effective_concurrency > 0 THEN b.effective_concurrency
-                                    ELSE excluded.recover_concurrency END * $6))::integer END,
-    tokens = CASE
-        WHEN b.backoff AND b.changed_at > now() - make_interval(secs => $7) THEN b.tokens
-        ELSE least(b.tokens, 0) END,
-    changed_at = CASE
-        WHEN b.backoff AND b.changed_at > now() - make_interval(secs => $7) THEN b.changed_at
-        ELSE now() END,
-    recover_rate = CASE WHEN b.backoff THEN b.recover_rate ELSE excluded.recover_rate END,
-    recover_concurrency = CASE WHEN b.backoff THEN b.recover_concurrency
-                               ELSE excluded.recover_concurrency END,
-    backoff = true,
-    throttled_at = now(),
-    held_until = CASE WHEN excluded.held_until IS NULL THEN b.held_until
-                      ELSE greatest(b.held_until, excluded.held_until) END,
-    last_reply = excluded.last_reply,
-    updated_at = now()
-"""
 
 
 async def report_throttling(
     db: Executor, reports: Sequence[Throttling], *, factor: float, hold: float
 ) -> None:
     """Lower each throttled destination's effective rate and concurrency by `factor` (floor 1)
-    for the whole cluster. One report per key: the caller merges them."""
+    for the whole cluster, at most once per `hold` seconds (budget_throttled, migration 0026):
+    from the rate in force, or for a destination without one, from what the engines that report
+    within the hold were sending, together. One report per key: the caller merges them."""
     if not reports:
         return
-    # In key order, as budget_take locks rows: two statements never wait on each other in a cycle.
-    reports = sorted(reports, key=lambda r: r.key)
     await db.execute(
-        _THROTTLED,
+        "SELECT budget_throttled($1::text[], $2::text[], $3::float8[], $4::int[], $5::text[],"
+        " $6, $7)",
         [r.key for r in reports],
+        [r.holder for r in reports],
         [max(1.0, float(r.rate)) for r in reports],
         [max(1, r.concurrency) for r in reports],
-        [float(r.retry_after) for r in reports],
         [r.reply for r in reports],
         float(factor),
         float(hold),

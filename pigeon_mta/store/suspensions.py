@@ -1,6 +1,7 @@
-"""Operator suspensions: mail of an org, a lane, a site or a domain that is not attempted until
-resumed or until a given time (`pigeon-mta queue suspend|resume`, table `suspension`, migration
-0024).
+"""Suspensions: mail of an org, a lane, a site or a domain that is not attempted until resumed or
+until a given time (`pigeon-mta queue suspend|resume`, table `suspension`, migration 0024); and
+holds, a site's mail of one org not attempted for the retry delay a reply of that site stated to
+that org's mail (kind 'reply', key `hold_key`, migration 0026), which end by themselves.
 
 Both claims pass over the groups of a suspended org or lane (store/leases.py); mail to a
 suspended site or domain waits in the queue of that key (`recipient.site`), which the site claim
@@ -26,12 +27,18 @@ SITE = "destination:"  # a site's budget key (store/budgets.py)
 
 ACTIVE = "(x.until IS NULL OR x.until > now())"
 
-# What a suspension `x` says of the mail it holds (`log`, and the reason engines hand it back with).
-NOTE = """'suspended by an operator: ' || x.reason
-    || CASE WHEN x.until IS NULL THEN ' (until resumed)'
-            ELSE ' (until ' || to_char(x.until AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')
-                 || ' UTC)' END
-    || '; not attempted meanwhile'"""
+# What a suspension `x` says of the mail it holds (`log`, and the reason engines hand it back with;
+# SQL function suspension_note, migration 0026).
+NOTE = "suspension_note(x)"
+
+# Who set a suspension: an operator, or a reply that stated a retry delay (`hold`).
+OPERATOR = "operator"
+REPLY = "reply"
+
+
+def hold_key(site: str, org_id: object) -> str:
+    """The key of a site held for one org (its mail waits in the queue of that key)."""
+    return f"{site}|{ORG}{org_id}"
 
 
 # Mail to a suspended domain waits in the domain's queue, out of the claims' way; at resume it
@@ -53,6 +60,7 @@ class Suspension:
     reason: str
     created_at: datetime
     waiting: int  # queued recipients it holds
+    kind: str = OPERATOR  # or REPLY: a site held for one org after a stated retry delay
 
 
 async def suspend(
@@ -75,6 +83,26 @@ async def suspend(
             await conn.execute(_TO_DOMAIN_QUEUE, key.removeprefix(DOMAIN), key)
 
 
+async def hold(db: Executor, holds: dict[str, tuple[float, str]]) -> None:
+    """Hold sites for orgs (`hold_key`) for the seconds a reply stated, with the reply as the
+    reason; a hold in force is only ever lengthened."""
+    if not holds:
+        return
+    keys = sorted(holds)
+    await db.execute(
+        f"""INSERT INTO suspension AS x (key, until, reason, kind)
+            SELECT k, now() + make_interval(secs => s), r, '{REPLY}'
+            FROM unnest($1::text[], $2::float8[], $3::text[]) AS v (k, s, r)
+            ON CONFLICT (key) DO UPDATE
+            SET until = greatest(x.until, excluded.until), reason = excluded.reason,
+                created_at = CASE WHEN {ACTIVE} THEN x.created_at ELSE now() END
+            WHERE x.kind = '{REPLY}'""",
+        keys,
+        [holds[k][0] for k in keys],
+        [holds[k][1] for k in keys],
+    )
+
+
 async def resume(conn: asyncpg.Connection, key: str) -> bool:
     """End the suspension of `key`; False if there was none in force."""
     async with conn.transaction():
@@ -87,7 +115,7 @@ async def resume(conn: asyncpg.Connection, key: str) -> bool:
 
 
 _LIST = f"""
-SELECT x.key, x.until, x.reason, x.created_at,
+SELECT x.key, x.until, x.reason, x.created_at, x.kind,
        (SELECT count(*) FROM recipient r WHERE r.status = 'queued' AND CASE
             WHEN x.key LIKE '{ORG}%' THEN r.org_id::text = substr(x.key, {len(ORG) + 1})
             WHEN x.key LIKE '{LANE}%' THEN r.lane = substr(x.key, {len(LANE) + 1})

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
 
 import asyncpg
 
 from pigeon_mta.store import budgets
 from pigeon_mta.store.budgets import GrantRequest, Throttling
+from pigeon_mta.store.orgs import ensure_org
+from tests.integration.queue_helpers import bulk_queue
 
 KEY = "destination:pattern:dest.test"
 
@@ -57,7 +58,7 @@ async def test_throttling_halves_the_budget_once_per_overload_and_it_recovers_in
 ) -> None:
     await take(pool, "n1/r#1", request(tokens=1, slots=3))
     reply = "421 4.7.0 Try again later"
-    report = Throttling(KEY, rate=10, concurrency=3, retry_after=0, reply=reply)
+    report = Throttling(KEY, "n1/r#1", rate=10, concurrency=3, reply=reply)
     await budgets.report_throttling(pool, [report], factor=0.5, hold=1.0)
     await budgets.report_throttling(pool, [report], factor=0.5, hold=1.0)  # the same overload
     grant = (await take(pool, "n1/r#1", request(), quiet=0.3))[KEY]
@@ -82,21 +83,28 @@ async def test_throttling_halves_the_budget_once_per_overload_and_it_recovers_in
     assert KEY not in in_force.backing_off
 
 
-async def test_a_destination_without_limits_backs_off_from_what_was_sent_and_honours_a_delay(
+async def test_a_destination_without_limits_backs_off_from_what_the_cluster_was_sending(
     pool: asyncpg.Pool,
 ) -> None:
+    """Two engines report throttling within one decrease's hold: it halves what both were
+    sending together (80 + 40 a second, 12 + 4 sessions), not the first reporter's alone. A
+    report of an engine already counted, and one after the decrease from another engine that
+    was counted, change nothing."""
     key = "destination:mx:busy.test"
-    report = Throttling(key, rate=80, concurrency=12, retry_after=60, reply="try again in 60s")
-    await budgets.report_throttling(pool, [report], factor=0.5, hold=1.0)
+    first = Throttling(key, "n1/r#1", rate=80, concurrency=12, reply="421 try again later")
+    second = Throttling(key, "n2/r#1", rate=40, concurrency=4, reply="421 try again later")
+    await budgets.report_throttling(pool, [first], factor=0.5, hold=1.0)
+    await budgets.report_throttling(pool, [second], factor=0.5, hold=1.0)
+    await budgets.report_throttling(pool, [first], factor=0.5, hold=1.0)
     in_force = await budgets.budgets_in_force(pool, step=0.1, quiet=30)
     assert key in in_force.backing_off
     grant = (await take(pool, "n1/r#1", GrantRequest(key, 0, 0, 1, tokens=3, slots=3)))[key]
-    assert (grant.effective_rate, grant.effective_concurrency) == (40, 6)
-    # Held by the stated delay: nothing granted, the booking starts after it.
-    assert (grant.tokens, grant.slots) == (0, 0)
-    assert grant.held_until is not None
-    wait = (grant.booked_from - datetime.now(UTC)).total_seconds()
-    assert 55 <= wait <= 61, wait
+    assert (grant.effective_rate, grant.effective_concurrency) == (60, 8)
+    # The next overload (after the hold) halves the rate in force, whoever reports it.
+    await asyncio.sleep(1.05)
+    await budgets.report_throttling(pool, [second], factor=0.5, hold=1.0)
+    grant = (await take(pool, "n1/r#1", GrantRequest(key, 0, 0, 1, tokens=1, slots=0)))[key]
+    assert (grant.effective_rate, grant.effective_concurrency) == (30, 4)
 
 
 async def test_a_starting_node_frees_the_slots_its_earlier_runs_held(pool: asyncpg.Pool) -> None:
@@ -186,7 +194,7 @@ async def test_a_destination_without_limits_recovers_to_what_it_took_not_to_unli
     throttled at that rate is not sent more again (a 421 sawtooth), even though nothing is
     configured."""
     key = "destination:site:mx.busy.test"
-    report = Throttling(key, rate=80, concurrency=12, retry_after=0, reply="421 4.7.0 slow down")
+    report = Throttling(key, "n1/r#1", rate=80, concurrency=12, reply="421 4.7.0 slow down")
     await budgets.report_throttling(pool, [report], factor=0.5, hold=1.0)
     await asyncio.sleep(0.35)
     # Recovered in steps of half (step 0.5 each quiet period of 0.3 s): 40 -> 80, 6 -> 12.
@@ -200,3 +208,34 @@ async def test_a_destination_without_limits_recovers_to_what_it_took_not_to_unli
     assert (grant[key].effective_rate, grant[key].effective_concurrency) == (80, 12)
     listed = {b.key: b for b in await budgets.list_budgets(pool)}[key]
     assert not listed.backoff and listed.effective_rate == 80
+
+
+async def test_a_capped_destination_probes_upward_while_mail_waits_for_it(
+    pool: asyncpg.Pool,
+) -> None:
+    """Capped where it throttled us (80/s, 12 sessions), a site whose mail waits in its queue
+    tries a little more each two quiet periods without a throttling reply (step 0.5: +40/s and
+    one session), so a server that raised its limit is found again; one with nothing waiting
+    stays where it is."""
+    key = "destination:site:mx.busy.test"
+    report = Throttling(key, "n1/r#1", rate=80, concurrency=12, reply="421 4.7.0 slow down")
+    await budgets.report_throttling(pool, [report], factor=0.5, hold=1.0)
+    await asyncio.sleep(0.35)
+    in_force = await budgets.budgets_in_force(pool, step=0.5, quiet=0.3)
+    assert key in in_force.capped and in_force.capped
+    await asyncio.sleep(0.65)
+    grant = await take(pool, "n1/r#1", GrantRequest(key, 0, 0, 1, tokens=1, slots=0), quiet=0.3)
+    assert (grant[key].effective_rate, grant[key].effective_concurrency) == (80, 12)
+    org = await ensure_org(pool, "probing")
+    await bulk_queue(pool, org, messages=3, domain="busy.test", lane="bulk")
+    await pool.execute("UPDATE recipient SET site = $1", key)
+    grant = await take(pool, "n1/r#1", GrantRequest(key, 0, 0, 1, tokens=1, slots=0), quiet=0.3)
+    assert (grant[key].effective_rate, grant[key].effective_concurrency) == (120, 13)
+    # Not again before two more quiet periods.
+    grant = await take(pool, "n1/r#1", GrantRequest(key, 0, 0, 1, tokens=1, slots=0), quiet=0.3)
+    assert grant[key].effective_rate == 120
+    # A throttling reply there decreases from the probed rate, and recovery stops at it.
+    await budgets.report_throttling(pool, [report], factor=0.5, hold=1.0)
+    listed = {b.key: b for b in await budgets.list_budgets(pool)}[key]
+    assert listed.backoff and listed.effective_rate == 60
+    assert await pool.fetchval("SELECT recover_rate FROM budget WHERE key = $1", key) == 120

@@ -17,6 +17,8 @@ The local part up to a "+" names the behaviour (`tempfail+7@example.test`):
     hang-data        the first time: the whole message is read, then the final dot never gets a
                      reply (until the client goes away); afterwards accept
     hang             RCPT never gets a reply (until the client goes away)
+    slow-down        421 4.7.0 at RCPT the first time this address is seen, stating a retry
+                     delay of `stated_delay` seconds ("try again in N seconds"), then accept
 
 A SinkState with `throttle_above = N` answers MAIL with `421 4.7.0 Try again later` while it
 accepted N MAIL commands within the last second, as a provider throttling a sender does.
@@ -57,6 +59,7 @@ class ReceivedMessage:
 @dataclass
 class SinkState:
     slow_seconds: float = 1.0
+    stated_delay: int = 10  # what a `slow-down` recipient's 421 says to wait
     connections: collections.Counter[str] = field(default_factory=collections.Counter)
     messages: list[ReceivedMessage] = field(default_factory=list)
     seen: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -152,6 +155,12 @@ class SinkHandler:
             state.seen[address] += 1
             if state.seen[address] == 1:
                 return "451 4.7.1 try again later"
+        if kind == "slow-down":
+            state.seen[address] += 1
+            if state.seen[address] == 1:
+                return (
+                    f"421 4.7.0 Too much mail from you, try again in {state.stated_delay} seconds"
+                )
         if kind == "reject-rcpt":
             return "550 5.1.1 no such user here"
         if kind == "full":
