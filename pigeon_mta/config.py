@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 # The value types, here where the options are typed with them (and where callers find them).
+from pigeon_mta.config_shaping import ShapingSettings
 from pigeon_mta.config_values import Duration as Duration
 from pigeon_mta.config_values import HostPort as HostPort
 from pigeon_mta.config_values import Network as Network
@@ -417,6 +418,8 @@ class Settings:
     bounces: BounceSettings = field(default_factory=BounceSettings)
     log: LogSettings = field(default_factory=LogSettings)
     webhooks: WebhookSettings = field(default_factory=WebhookSettings)
+    # Reply rules ([[shaping.rule]], config_shaping.py).
+    shaping: ShapingSettings = field(default_factory=ShapingSettings)
     # Lanes by name: always "transactional" and "bulk", and those [lanes.NAME] declares.
     lanes: dict[str, LaneSettings] = field(default_factory=default_lanes)
     # `[lanes] header` (config_loader.py reads it from the [lanes] table): "lower" lets the

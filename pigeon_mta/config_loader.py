@@ -30,6 +30,7 @@ from pigeon_mta.config import (
     Settings,
     default_lanes,
 )
+from pigeon_mta.config_shaping import check_shaping
 from pigeon_mta.config_values import nameserver_address
 
 ENV_CONFIG = "PIGEON_CONFIG"
@@ -256,6 +257,9 @@ def _check(settings: Settings) -> None:
         # A lease owner is "<node_name>/<run id>": the name must not look like a prefix of another.
         raise ConfigError(f"'server.node_name' must not contain '/': {settings.server.node_name!r}")
     _check_intervals(settings)
+    shaping = check_shaping(settings.shaping)
+    if shaping is not None:
+        raise ConfigError(shaping)
     names = [listener.name for listener in settings.listener]
     for name in names:
         if names.count(name) > 1:

@@ -149,6 +149,9 @@ def _attempt_row(story: MessageStory, a: AttemptRecord, address: str) -> dict[st
         reply += f"; DSN queued as {story.dsns[a.id]}"
     if a.id in story.suppressed:
         reply += f"; suppressed {story.suppressed[a.id]}"
+    shaped = (a.rule or "").partition("; shaping ")[2] or (a.rule or "").partition("shaping ")[2]
+    if shaped:
+        reply += f"; reply rule {shaped}"
     return {
         "time": _time(a.started_at + timedelta(seconds=a.duration)),  # as the delivery log
         "event": EVENT_TYPE[Outcome(a.outcome)],

@@ -35,9 +35,11 @@ from pigeon_mta.model import Delivery, Reply
 from pigeon_mta.node import STALE_AFTER
 from pigeon_mta.outbound.connect import ConnectionKey
 from pigeon_mta.outbound.grants import Held, Need, Pass, Wait, name_of, wait_for
+from pigeon_mta.outbound.holds import Suspended
 from pigeon_mta.outbound.limits import DestinationPolicy
 from pigeon_mta.outbound.parking import SiteHealth
 from pigeon_mta.outbound.pool import ConnectionPool
+from pigeon_mta.outbound.shaping import Action
 from pigeon_mta.outbound.throttling import ThrottlingReports
 from pigeon_mta.store import budgets as store
 from pigeon_mta.store.budgets import DESTINATION, LANE, ORG, GrantRequest
@@ -80,10 +82,10 @@ class Budgets:
         self.holder = f"{owner}#{os.getpid()}"
         self._held: dict[str, Held] = {}
         self.throttling = ThrottlingReports(settings, pool, self.holder)
+        self.suspended = Suspended(self.throttling)
         self.health = SiteHealth(settings, pool)
         self._parked: frozenset[str] = frozenset()
         self._capped: frozenset[str] = frozenset()
-        self._suspended: dict[str, str] = {}
         self._org_rates: dict[uuid.UUID, float] = {}
         self._backing_off: frozenset[str] = frozenset()
         self._refreshed = -REFRESH_INTERVAL
@@ -128,28 +130,11 @@ class Budgets:
     async def suspension(
         self, delivery: Delivery, policy: DestinationPolicy
     ) -> tuple[str | None, str] | None:
-        """When an operator suspended this delivery's site, domain, org or lane, or its site holds
-        its org's mail after a stated retry delay: the queue it waits in (a site's, a domain's or
-        the hold's; None: its own, which the claims pass over while the suspension lasts) and
-        the suspension's reason."""
+        """The suspension that holds this delivery, if any (outbound/holds.py)."""
         self._refresh_soon()
         if not self._read_once and self._refresh is not None:
             await asyncio.shield(self._refresh)
-        if not self._suspended:
-            return None
-        site, domain = DESTINATION + policy.key, "domain:" + delivery.domain.lower()
-        hold = hold_key(site, delivery.org_id)
-        for key, queue in (
-            (site, site),
-            (domain, domain),
-            ("org:" + str(delivery.org_id), None),
-            ("lane:" + delivery.lane, None),
-            (hold, hold),
-        ):
-            note = self._suspended.get(key)
-            if note is not None:
-                return queue, note
-        return None
+        return self.suspended.find(delivery, policy)
 
     # ------------------------------------------------------------ admit / leave
 
@@ -355,7 +340,7 @@ class Budgets:
         self._backing_off = in_force.backing_off
         self._parked = in_force.parked
         self._capped = in_force.capped
-        self._suspended = in_force.suspended
+        self.suspended.notes = in_force.suspended
         self.health.failing |= in_force.parked
         BUDGETS_BACKING_OFF.set(len(in_force.backing_off))
 
@@ -366,15 +351,26 @@ class Budgets:
     ) -> None:
         """A throttling reply from this destination: reported for the cluster; from now on this
         process takes the destination's grants from the database. A retry delay it states
-        holds the site for `org_id`'s mail (at once in this process)."""
+        holds the site for `org_id`'s mail."""
         self.throttling.throttled(policy, reply)
         self._backing_off = self._backing_off | {DESTINATION + policy.key}
         if retry_after > 0:
-            key = hold_key(DESTINATION + policy.key, org_id)
-            self.throttling.hold(key, retry_after, reply)
-            if key not in self._suspended:  # (until the next read has the database's note)
-                note = f"held for its org: the destination asked to retry in {retry_after:g} s"
-                self._suspended = self._suspended | {key: note}
+            reason = f"the destination asked to retry in {retry_after:g} s ({reply})"
+            self.suspended.hold(hold_key(DESTINATION + policy.key, org_id), retry_after, reason)
+
+    def shaped(self, policy: DestinationPolicy, actions: Iterable[Action]) -> None:
+        """What reply rules (outbound/shaping.py) decided for this destination, for the cluster."""
+        site = DESTINATION + policy.key
+        for action in actions:
+            rule = action.rule
+            if rule.action == "suspend":
+                key = hold_key(site, action.org_id) if rule.scope == "org" else site
+                self.suspended.hold(key, rule.duration, action.reason)
+            else:
+                rate = rule.value if rule.action == "rate" else 0.0
+                sessions = int(rule.value) if rule.action == "sessions" else 0
+                self.throttling.limit(site, rate, sessions, rule.duration, action.reason)
+                self._backing_off = self._backing_off | {site}
 
     # ------------------------------------------------------------ slots given back
 

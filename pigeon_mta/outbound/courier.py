@@ -19,6 +19,7 @@ from datetime import UTC, datetime, timedelta
 from pigeon_mta.config import Settings, TlsPolicy
 from pigeon_mta.metrics import ACCEPT_TO_DELIVERY_SECONDS, DELIVERY_ATTEMPT_SECONDS
 from pigeon_mta.model import AttemptResult, Delivery, Outcome, Reply, Signed
+from pigeon_mta.outbound import shaping
 from pigeon_mta.outbound.attempt import (
     Peer,
     RecipientResult,
@@ -94,6 +95,7 @@ class Courier:
             if settings.delivery.adaptive_concurrency
             else 0
         )
+        self.rules = shaping.compile_rules(settings.shaping)
         # The cluster's budgets (None: per-process limits only, as for a courier without a
         # database).
         self.budgets = budgets(self.connections) if budgets is not None else None
@@ -176,12 +178,15 @@ class Courier:
             results = self._judge(
                 delivery, tx.results, tx_started_at, tx.peer, tx.duration, dkim=signed.dkim
             )
+            results, actions = shaping.apply(results, self.rules, policy.key, datetime.now(UTC))
             throttled = throttling_reply(results)
             outcome = transaction_outcome(tx, throttled)
         finally:
             if gate is not None:
                 self.gates.leave(gate, outcome, tx.duration)
         if budgets is not None:
+            if actions:
+                budgets.shaped(policy, actions)
             if throttled is not None:
                 # It lowers the destination's budget for the whole cluster.
                 delay = stated_retry_delay(throttled.text) or 0.0

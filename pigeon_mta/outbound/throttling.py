@@ -28,7 +28,7 @@ from pigeon_mta.model import Reply
 from pigeon_mta.outbound.limits import DestinationPolicy
 from pigeon_mta.store import budgets as store
 from pigeon_mta.store import suspensions
-from pigeon_mta.store.budgets import DESTINATION, Throttling
+from pigeon_mta.store.budgets import DESTINATION, Limit, Throttling
 from pigeon_mta.store.connect import DB_ERRORS
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class ThrottlingReports:
         self._traffic: dict[str, _Traffic] = {}
         self._reports: dict[str, Throttling] = {}
         self._holds: dict[str, tuple[float, str]] = {}  # hold key: (seconds, reason)
+        self._limits: dict[str, Limit] = {}
         self._reporter: asyncio.Task[None] | None = None
 
     def sending(self, policy: DestinationPolicy) -> None:
@@ -101,12 +102,17 @@ class ThrottlingReports:
         )
         self._report_soon()
 
-    def hold(self, key: str, seconds: float, reply: Reply) -> None:
-        """Report a site's stated retry delay for one org (`suspensions.hold_key`)."""
+    def hold(self, key: str, seconds: float, reason: str) -> None:
+        """Report a suspension a reply asked for: a site's for one org (`suspensions.hold_key`)
+        or a site's for all."""
         earlier = self._holds.get(key)
         if earlier is None or seconds > earlier[0]:
-            reason = f"the destination asked to retry in {seconds:g} s ({reply})"
             self._holds[key] = (seconds, reason)
+        self._report_soon()
+
+    def limit(self, key: str, rate: float, sessions: int, seconds: float, reason: str) -> None:
+        """Report a reply rule's limit of a site's rate or sessions, for `seconds`."""
+        self._limits[key] = Limit(key, rate, sessions, seconds, reason)
         self._report_soon()
 
     def _report_soon(self) -> None:
@@ -114,22 +120,26 @@ class ThrottlingReports:
             self._reporter = asyncio.create_task(self._report(), name="budget-throttling")
 
     async def _report(self) -> None:
-        while self._reports or self._holds:
+        while self._reports or self._holds or self._limits:
             await asyncio.sleep(REPORT_WINDOW)
             reports, self._reports = list(self._reports.values()), {}
             holds, self._holds = self._holds, {}
+            limits, self._limits = list(self._limits.values()), {}
             try:
                 await store.report_throttling(
                     self.pool, reports, factor=self.delivery.backoff_factor, hold=DECREASE_HOLD
                 )
                 await suspensions.hold(self.pool, holds)
+                await store.limit_budgets(self.pool, limits)
             except DB_ERRORS as exc:
                 log.warning("cannot report throttling replies: %s", exc)
                 return
             for report in reports:
                 log.info("destination %s is throttling: %s", report.key, report.reply)
-            for key, (seconds, _) in holds.items():
-                log.info("destination %s asked to retry in %g s", key, seconds)
+            for key, (seconds, reason) in holds.items():
+                log.info("%s suspended for %g s: %s", key, seconds, reason)
+            for limit in limits:
+                log.info("%s limited for %g s: %s", limit.key, limit.seconds, limit.reason)
 
     async def close(self) -> None:
         if self._reporter is not None:

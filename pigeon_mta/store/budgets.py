@@ -182,6 +182,31 @@ async def report_throttling(
 
 
 @dataclass(frozen=True)
+class Limit:
+    """A reply rule's limit of one site (`[[shaping.rule]]` action rate or sessions)."""
+
+    key: str
+    rate: float  # messages a second at most (0: the rate unchanged)
+    sessions: int  # sessions at once at most (0: unchanged)
+    seconds: float  # for how long
+    reason: str
+
+
+async def limit_budgets(db: Executor, limits: Sequence[Limit]) -> None:
+    """Lower each site's effective rate or sessions for the cluster until its limit's time ends
+    (budget_limit, migration 0026), in key order (budget_take's lock order)."""
+    for limit in sorted(limits, key=lambda x: x.key):
+        await db.execute(
+            "SELECT budget_limit($1, $2, $3, $4, $5)",
+            limit.key,
+            float(limit.rate),
+            int(limit.sessions),
+            float(limit.seconds),
+            limit.reason,
+        )
+
+
+@dataclass(frozen=True)
 class Connections:
     """What one engine's connections to one site did since its last report."""
 

@@ -79,6 +79,7 @@ class AttemptRecord:
     next_attempt_at: datetime | None
     applied: bool
     dkim: str | None = None  # how the message sent was signed, or why not (signer.py)
+    rule: str | None = None  # the classification rules that judged it ("; shaping NAME: ...")
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,7 @@ ORDER BY r.message_id, r.address
 _ATTEMPTS = """
 SELECT id, recipient_id, message_id, attempt, started_at, duration_ms, mx_host, ip, port,
        tls_version, tls_cipher, code, enhanced_code, response, outcome, category,
-       next_attempt_at, applied, dkim
+       next_attempt_at, applied, dkim, rule
 FROM attempt
 WHERE recipient_id IN (SELECT id FROM recipient WHERE message_id = ANY ($1::uuid[]))
 ORDER BY started_at, attempt, recorded_at, id
@@ -234,6 +235,7 @@ def _attempt(row: asyncpg.Record) -> AttemptRecord:
         next_attempt_at=row["next_attempt_at"],
         applied=row["applied"],
         dkim=row["dkim"],
+        rule=row["rule"],
     )
 
 
@@ -331,7 +333,7 @@ async def consequences(
 _EXPIRED = """
 SELECT id, recipient_id, message_id, attempt, started_at, duration_ms, mx_host, ip, port,
        tls_version, tls_cipher, code, enhanced_code, response, outcome, category,
-       next_attempt_at, applied, dkim
+       next_attempt_at, applied, dkim, rule
 FROM attempt WHERE recipient_id = ANY ($1::uuid[]) AND outcome = 'expired'
 ORDER BY started_at, id
 """

@@ -74,7 +74,8 @@ async def suspend(
                    ($1, CASE WHEN $2::float8 IS NULL THEN NULL
                              ELSE now() + make_interval(secs => $2::float8) END, $3)
                ON CONFLICT (key) DO UPDATE
-               SET until = excluded.until, reason = excluded.reason, created_at = now()""",
+               SET until = excluded.until, reason = excluded.reason, created_at = now(),
+                   kind = excluded.kind""",
             key,
             seconds,
             reason,
@@ -84,8 +85,9 @@ async def suspend(
 
 
 async def hold(db: Executor, holds: dict[str, tuple[float, str]]) -> None:
-    """Hold sites for orgs (`hold_key`) for the seconds a reply stated, with the reply as the
-    reason; a hold in force is only ever lengthened."""
+    """Suspensions a reply asked for (kind 'reply'): sites held for orgs (`hold_key`) for the
+    seconds the reply stated, or sites for every org (a reply rule's), each {key: (seconds,
+    reason)}. One in force is only ever lengthened; an operator's of the same key stands."""
     if not holds:
         return
     keys = sorted(holds)

@@ -239,3 +239,27 @@ async def test_a_capped_destination_probes_upward_while_mail_waits_for_it(
     listed = {b.key: b for b in await budgets.list_budgets(pool)}[key]
     assert listed.backoff and listed.effective_rate == 60
     assert await pool.fetchval("SELECT recover_rate FROM budget WHERE key = $1", key) == 120
+
+
+async def test_a_rules_limit_holds_for_its_time_then_the_site_is_as_it_was(
+    pool: asyncpg.Pool,
+) -> None:
+    """A reply rule's `rate` action on a site that never throttled us: at most that rate for the
+    cluster, in backoff, until its time ends; a quiet period later it is unlimited again, not
+    capped at the rule's rate."""
+    key = "destination:site:mx.rules.test"
+    await budgets.limit_budgets(
+        pool, [budgets.Limit(key, rate=5, sessions=2, seconds=2, reason="rule x")]
+    )
+    grant = await take(pool, "n1/r#1", GrantRequest(key, 0, 0, 1, tokens=1, slots=0), quiet=0.3)
+    assert (grant[key].effective_rate, grant[key].effective_concurrency) == (5, 2)
+    in_force = await budgets.budgets_in_force(pool, step=0.5, quiet=0.3)
+    assert key in in_force.backing_off
+    await asyncio.sleep(0.8)  # within its time (2 s, a quiet period of 0.3 s after): limited
+    in_force = await budgets.budgets_in_force(pool, step=0.5, quiet=0.3)
+    assert key in in_force.backing_off
+    await asyncio.sleep(1.8)
+    in_force = await budgets.budgets_in_force(pool, step=0.5, quiet=0.3)
+    assert key not in in_force.backing_off and key not in in_force.capped
+    row = await pool.fetchrow("SELECT * FROM budget WHERE key = $1", key)
+    assert (row["effective_rate"], row["effective_concurrency"]) == (0, 0)

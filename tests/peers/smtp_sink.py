@@ -19,6 +19,8 @@ The local part up to a "+" names the behaviour (`tempfail+7@example.test`):
     hang             RCPT never gets a reply (until the client goes away)
     slow-down        421 4.7.0 at RCPT the first time this address is seen, stating a retry
                      delay of `stated_delay` seconds ("try again in N seconds"), then accept
+    blocked          550 5.7.1 at RCPT the first time this address is seen, saying the sending
+                     network is on the server's block list (Microsoft's S3150), then accept
 
 A SinkState with `throttle_above = N` answers MAIL with `421 4.7.0 Try again later` while it
 accepted N MAIL commands within the last second, as a provider throttling a sender does.
@@ -155,6 +157,10 @@ class SinkHandler:
             state.seen[address] += 1
             if state.seen[address] == 1:
                 return "451 4.7.1 try again later"
+        if kind == "blocked":
+            state.seen[address] += 1
+            if state.seen[address] == 1:
+                return "550 5.7.1 Messages weren't sent: part of your network is on our block list (S3150)"
         if kind == "slow-down":
             state.seen[address] += 1
             if state.seen[address] == 1:

@@ -16,12 +16,16 @@
 --    (store/suspensions.py); its mail waits in the queue of that key and goes back to the
 --    general claim when the hold ends (site_pick finds no budget of that key). The budget's
 --    `held_until` is no longer written.
+-- 4. A reply rule's limit (`[[shaping.rule]]` action rate or sessions, budget_limit): the site's
+--    effective rate or sessions at most that until `limited_until`, in backoff; its recovery
+--    starts a quiet period after that.
 
 ALTER TABLE budget ADD COLUMN reporters text[] NOT NULL DEFAULT '{}';
 ALTER TABLE budget ADD COLUMN reported_rate double precision NOT NULL DEFAULT 0;
 ALTER TABLE budget ADD COLUMN reported_concurrency integer NOT NULL DEFAULT 0;
 ALTER TABLE budget ADD COLUMN base_rate double precision NOT NULL DEFAULT 0;
 ALTER TABLE budget ADD COLUMN base_concurrency integer NOT NULL DEFAULT 0;
+ALTER TABLE budget ADD COLUMN limited_until timestamptz;
 
 -- Throttling replies of one report round, one row per key (in key order: budget_take's lock
 -- order). A decrease at most once per p_hold seconds: the replies of one overload arrive together
@@ -78,21 +82,23 @@ BEGIN
 END
 $$;
 
--- Additive recovery after the quiet period (unchanged from migration 0024), then, for a capped
--- site with mail waiting in its queue, the upward probe.
+-- Additive recovery after the quiet period, as in migration 0024 but counted from the end of a
+-- rule's limit, and a site that never throttled us ends it at no limit, not capped at none; then,
+-- for a capped site with mail waiting in its queue, the upward probe.
 CREATE OR REPLACE FUNCTION budget_recover(p_keys text[], p_step double precision,
                                           p_quiet double precision)
 RETURNS void LANGUAGE sql AS $$
 WITH due AS (
     SELECT b.key,
-           floor(extract(epoch FROM now() - greatest(b.changed_at, b.throttled_at)) / p_quiet)
-               AS periods,
+           floor(extract(epoch FROM now() - greatest(b.changed_at, b.throttled_at,
+                                                    b.limited_until)) / p_quiet) AS periods,
            b.rate > 0 OR b.concurrency > 0 AS configured,
            CASE WHEN b.rate > 0 THEN b.rate ELSE b.recover_rate END AS to_rate,
            CASE WHEN b.concurrency > 0 THEN b.concurrency ELSE b.recover_concurrency END AS to_conc
     FROM budget b
     WHERE b.backoff AND (p_keys IS NULL OR b.key = ANY (p_keys))
-      AND greatest(b.changed_at, b.throttled_at) <= now() - make_interval(secs => p_quiet)
+      AND greatest(b.changed_at, b.throttled_at, b.limited_until)
+          <= now() - make_interval(secs => p_quiet)
     FOR UPDATE SKIP LOCKED
 ), stepped AS (
     SELECT due.key, due.periods, due.configured,
@@ -104,14 +110,15 @@ WITH due AS (
 )
 UPDATE budget b
 SET backoff = NOT (s.new_rate >= s.to_rate AND s.new_conc >= s.to_conc),
-    capped = NOT s.configured AND s.new_rate >= s.to_rate AND s.new_conc >= s.to_conc,
+    capped = NOT s.configured AND s.new_rate >= s.to_rate AND s.new_conc >= s.to_conc
+             AND (s.to_rate > 0 OR s.to_conc > 0),
     effective_rate = CASE WHEN s.new_rate >= s.to_rate AND s.new_conc >= s.to_conc
                           THEN CASE WHEN s.configured THEN b.rate ELSE s.to_rate END
                           ELSE s.new_rate END,
     effective_concurrency = CASE WHEN s.new_rate >= s.to_rate AND s.new_conc >= s.to_conc
                                  THEN CASE WHEN s.configured THEN b.concurrency ELSE s.to_conc END
                                  ELSE s.new_conc END,
-    changed_at = greatest(b.changed_at, b.throttled_at)
+    changed_at = greatest(b.changed_at, b.throttled_at, b.limited_until)
                  + make_interval(secs => s.periods * p_quiet),
     updated_at = now()
 FROM stepped s WHERE b.key = s.key;
@@ -125,21 +132,58 @@ WITH probe AS (
     FOR UPDATE SKIP LOCKED
 )
 UPDATE budget b
-SET effective_rate = b.effective_rate + greatest(1, p_step * b.effective_rate),
-    effective_concurrency = b.effective_concurrency + 1,
+SET effective_rate = CASE WHEN b.effective_rate > 0
+                          THEN b.effective_rate + greatest(1, p_step * b.effective_rate)
+                          ELSE 0 END,
+    effective_concurrency = CASE WHEN b.effective_concurrency > 0
+                                 THEN b.effective_concurrency + 1 ELSE 0 END,
     changed_at = now(),
     updated_at = now()
 FROM probe WHERE b.key = probe.key;
 $$;
 
--- Who holds a suspension: an operator (`queue suspend`) or a reply ('reply': a stated retry
--- delay, for one org at one site).
+-- A reply rule's limit: at most p_rate messages a second (0: the rate unchanged) and p_conc
+-- sessions (0: unchanged) until p_seconds from now, for the whole cluster; then recovery as after
+-- a throttling reply, to the configured values, or (none) to where its last throttling reply
+-- capped it, or if it never throttled us, to no limit.
+CREATE FUNCTION budget_limit(p_key text, p_rate double precision, p_conc integer,
+                             p_seconds double precision, p_reply text)
+RETURNS void LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    b budget;
+    t timestamptz;
+BEGIN
+    INSERT INTO budget AS u (key, tokens) VALUES (p_key, 0)
+    ON CONFLICT ON CONSTRAINT budget_pkey DO NOTHING;
+    SELECT * INTO b FROM budget u WHERE u.key = p_key FOR UPDATE;
+    t := clock_timestamp();
+    UPDATE budget u
+    SET effective_rate = CASE WHEN p_rate <= 0 THEN b.effective_rate
+                              WHEN b.effective_rate > 0 THEN least(b.effective_rate, p_rate)
+                              ELSE p_rate END,
+        effective_concurrency = CASE
+            WHEN p_conc <= 0 THEN b.effective_concurrency
+            WHEN b.effective_concurrency > 0 THEN least(b.effective_concurrency, p_conc)
+            ELSE p_conc END,
+        tokens = least(b.tokens, 1),
+        backoff = true, capped = false,
+        limited_until = greatest(b.limited_until, t + make_interval(secs => p_seconds)),
+        changed_at = t, last_reply = p_reply, updated_at = t
+    WHERE u.key = p_key;
+END
+$$;
+
+-- Who set a suspension: an operator (`queue suspend`) or a reply ('reply': a stated retry delay
+-- or a reply rule's suspend action, for one org at one site, key SITE|org:UUID, or a rule's for
+-- every org, the site's key).
 ALTER TABLE suspension ADD COLUMN kind text NOT NULL DEFAULT 'operator';
 
 -- What a suspension says of the mail it holds (`log`, and the reason engines hand it back with).
 CREATE FUNCTION suspension_note(x suspension) RETURNS text LANGUAGE sql IMMUTABLE AS $$
     SELECT CASE WHEN x.kind = 'operator' THEN 'suspended by an operator: '
-                ELSE 'held for its org: ' END
+                WHEN x.key LIKE '%|org:%' THEN 'held for its org: '
+                ELSE 'suspended after a reply: ' END
            || x.reason
            || CASE WHEN x.until IS NULL THEN ' (until resumed)'
                    ELSE ' (until ' || to_char(x.until AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')
