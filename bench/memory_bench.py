@@ -45,7 +45,7 @@ async def claim_latency_ms(conn: asyncpg.Connection, rounds: int = 50) -> float:
     times = []
     for _ in range(rounds):
         began = time.perf_counter()
-        await conn.fetch(leases._CLAIM, 300.0, "memory-bench", 100)
+        await leases.claim_due_recipients(conn, owner="memory-bench", lease=300.0, batch=100)
         times.append((time.perf_counter() - began) * 1000)
     return statistics.median(times)
 

@@ -198,6 +198,9 @@ class DeliverySettings:
     # flight to reach the CPU (bench/latency.py: 50 destinations at 200 ms round trip take about
     # 1,000 at once to deliver 1,000 msgs/s; 100 held it under 400).
     concurrency: int = 1000
+    # The most of those one org's mail may hold (0-1; 1: no limit): the rest stays free for other
+    # orgs' mail, so that a tenant whose destinations answer slowly cannot make the others wait.
+    max_org_share: float = 0.75
     # Transactions one process runs at once to one destination (a recipient domain, the relayhost,
     # or what a [delivery.destination] pattern groups) that has no cluster-wide concurrency of its
     # own: the ceiling of its adaptive limit (adaptive_concurrency).

@@ -388,6 +388,8 @@ def _check_outbound(delivery: DeliverySettings) -> None:
     for pattern, dest in delivery.destination.items():
         if dest.rate < 0:
             raise ConfigError(f"'delivery.destination.{pattern}.rate' must not be negative")
+    if not 0 < delivery.max_org_share <= 1:
+        raise ConfigError("'delivery.max_org_share' must be more than 0 and at most 1")
     if not 0 < delivery.backoff_factor < 1:
         raise ConfigError("'delivery.backoff_factor' must be more than 0 and less than 1")
     if not 0 < delivery.backoff_step <= 1:

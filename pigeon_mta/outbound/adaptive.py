@@ -11,7 +11,8 @@ report it, and they are one signal, not a hundred. The limit stays within [1, `m
 
 A reply counts as fast when it took at most `slow_reply_factor` times the fastest reply of the last
 `baseline_window`, plus `slow_reply_slack` seconds: a destination whose replies slow down is busy,
-so the limit holds rather than grows. The slack keeps a near destination (a LAN relay answering in
+so the limit holds rather than grows; one whose replies take more than twice that is overloaded,
+and each such reply takes 1/limit off the limit (one session fewer per round of them). The slack keeps a near destination (a LAN relay answering in
 milliseconds) growing while its replies vary with this machine's own load by tens of milliseconds,
 which says nothing about the destination. The baseline ages out because a route can change for good (a new MX, a longer path).
 
@@ -86,7 +87,12 @@ def after_healthy_reply(
     """A transaction ended with a reply that was not throttling, `seconds` after it began."""
     if now - state.baseline_since > policy.baseline_window or seconds < state.fastest:
         state = replace(state, fastest=seconds, baseline_since=now)
-    if seconds > state.fastest * policy.slow_reply_factor + policy.slow_reply_slack:
+    slow = state.fastest * policy.slow_reply_factor + policy.slow_reply_slack
+    if seconds > 2 * slow:
+        # Far slower than its baseline: the destination is overloaded, and more sessions would
+        # only hold more of the engine's slots. One fewer per round of such replies.
+        return replace(state, limit=max(1.0, state.limit - 1.0 / state.limit), slow_start=False)
+    if seconds > slow:
         return state
     step = 1.0 if state.slow_start else 1.0 / state.limit
     return replace(state, limit=min(float(policy.maximum), state.limit + step))

@@ -1,13 +1,14 @@
 """The delivery engine: wait -> claim -> group -> sign -> route -> deliver -> record.
 
 It waits for whichever comes first: a NOTIFY (new mail), the poll interval, or stop. Then it claims
-due recipients (as many as it has room for), groups them into one transaction per (message,
-destination), and runs each as a task (outbound/courier.py): sign, route, pass the destination's
-limits, deliver over a pooled connection, judge each recipient's result. New mail of this
-process's listeners that it has room for skips the claim: the group commit queues it already
-claimed by this engine and hands it over (`reserve` / `adopt`, store/group_commit.py). Results are recorded in
-batches, each batch in one database transaction (outbound/recorder.py). The claims it holds and
-their leases are kept in outbound/claims.py; long transactions keep theirs by renewal.
+due recipients (as many as it has room for, and of one org no more than `delivery.max_org_share` of
+its slots, so that another org's mail always finds room), groups them into one transaction per
+(message, destination), and runs each as a task (outbound/courier.py): sign, route, pass the
+destination's limits, deliver over a pooled connection, judge each recipient's result. New mail of
+this process's listeners that it has room for skips the claim: the group commit queues it already
+claimed by this engine and hands it over (`reserve` / `adopt`, store/group_commit.py). Results are
+recorded in batches, each batch in one database transaction (outbound/recorder.py). The claims it
+holds and their leases are kept in outbound/claims.py; long transactions keep theirs by renewal.
 
 On stop it claims nothing more, lets in-flight transactions finish until shortly before the
 deadline, breaks the rest, records what finished, and releases the claim of everything else at once
@@ -19,9 +20,11 @@ duplicate, rather than released as if it had never been tried.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import random
+import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
@@ -115,6 +118,11 @@ class DeliveryEngine:
         # Recipients of messages being committed that this engine will adopt (see `reserve`).
         self._reserved = 0
         self._bite = max(1, min(self.delivery.batch_size, self.delivery.concurrency // 4))
+        # Deliveries in this engine per org, and the most one org may hold: the rest of the
+        # engine's slots stay free for other orgs' mail (delivery.max_org_share).
+        self._by_org: collections.Counter[uuid.UUID] = collections.Counter()
+        self._org_of: dict[asyncio.Task[None], uuid.UUID] = {}
+        self._org_cap = max(1, int(self.delivery.concurrency * self.delivery.max_org_share))
         self._lane_weights = {name: lane.weight for name, lane in settings.lanes.items()}
 
     # ------------------------------------------------------------ service
@@ -286,6 +294,8 @@ class DeliveryEngine:
                     lease=delivery.lease,
                     batch=want,
                     lane_weights=self._lane_weights,
+                    org_cap=self._org_cap,
+                    org_room={o: self._org_cap - n for o, n in self._by_org.items()},
                 )
             except DB_ERRORS as exc:
                 log.warning("delivery engine cannot claim work: %s", exc)
@@ -343,10 +353,17 @@ class DeliveryEngine:
         task = asyncio.create_task(self._process(delivery), name="delivery")
         self._active.add(task)
         self._not_started.add(task)
+        self._by_org[delivery.org_id] += 1
+        self._org_of[task] = delivery.org_id
         task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._active.discard(task)
+        org = self._org_of.pop(task, None)
+        if org is not None:
+            self._by_org[org] -= 1
+            if self._by_org[org] <= 0:
+                del self._by_org[org]
         self._room.set()
 
     # ------------------------------------------------------------ one delivery

@@ -64,6 +64,7 @@ WITH RECURSIVE groups AS (
     FROM groups g
     LEFT JOIN unnest($4::text[], $5::float8[]) AS w (lane, weight) ON w.lane = g.lane
     WHERE g.oldest <= now() AND NOT suspended(g.org_id, g.lane)
+      AND g.org_id <> ALL ($7::uuid[])
 ), by_site AS MATERIALIZED (
     -- Half the batch at most while due mail without a site waits, so neither starves.
     SELECT * FROM site_pick(
@@ -76,29 +77,41 @@ WITH RECURSIVE groups AS (
                AS share
     FROM (SELECT DISTINCT lane, weight FROM due) l
 ), shares AS (
+    -- `room`: what the engine has room for of the org ($9, $10; $8 for an org it holds none of).
     SELECT d.org_id, d.lane, random() AS turn,
            (l.share / d.orgs + CASE WHEN d.pick <= l.share % d.orgs THEN 1 ELSE 0 END)::int
-               AS share
+               AS share,
+           coalesce(a.room, $8::int) AS room
     FROM due d JOIN lanes l USING (lane)
+    LEFT JOIN unnest($9::uuid[], $10::int[]) AS a (org_id, room) ON a.org_id = d.org_id
 ), fair AS (
-    SELECT x.id FROM (SELECT * FROM shares WHERE share > 0 ORDER BY turn) s
+    SELECT x.id, s.org_id FROM (SELECT * FROM shares WHERE share > 0 ORDER BY turn) s
     CROSS JOIN LATERAL (
         SELECT id FROM recipient
         WHERE status = 'queued' AND org_id = s.org_id AND lane = s.lane
           AND site IS NULL AND next_attempt_at <= now()
-        ORDER BY next_attempt_at LIMIT s.share
+        ORDER BY next_attempt_at LIMIT least(s.share, s.room)
         FOR UPDATE SKIP LOCKED) x
     LIMIT (SELECT n FROM batch)
 ), rest AS (
-    SELECT x.id FROM (SELECT * FROM shares ORDER BY turn) s
+    SELECT x.id, s.org_id FROM (SELECT * FROM shares ORDER BY turn) s
     CROSS JOIN LATERAL (
         SELECT id FROM recipient
         WHERE status = 'queued' AND org_id = s.org_id AND lane = s.lane
           AND site IS NULL AND next_attempt_at <= now()
           AND id <> ALL (ARRAY (SELECT id FROM fair))
-        ORDER BY next_attempt_at LIMIT $3
+        ORDER BY next_attempt_at
+        LIMIT greatest(0, s.room - (SELECT count(*) FROM fair f WHERE f.org_id = s.org_id))
         FOR UPDATE SKIP LOCKED) x
     LIMIT greatest(0, (SELECT n FROM batch) - (SELECT count(*) FROM fair))
+), capped AS (
+    -- An org of two lanes got its room in each: no more than its room in all, its fair rows
+    -- first.
+    SELECT v.id FROM (
+        SELECT u.id, u.org_id, row_number() OVER (PARTITION BY u.org_id ORDER BY u.k) AS n
+        FROM (SELECT id, org_id, 0 AS k FROM fair UNION ALL SELECT id, org_id, 1 FROM rest) u
+    ) v LEFT JOIN unnest($9::uuid[], $10::int[]) AS a (org_id, room) USING (org_id)
+    WHERE v.n <= coalesce(a.room, $8::int)
 ), wake AS (
     -- Deferred recipients whose next attempt is due leave the retry queue (migration 0024): the
     -- next claim finds them (this one reads the table as it was when it began).
@@ -115,7 +128,7 @@ WITH RECURSIVE groups AS (
         lease_owner = $2,
         attempts = r.attempts + 1,
         updated_at = now()
-    WHERE r.id = ANY (ARRAY (SELECT id FROM fair UNION ALL SELECT id FROM rest
+    WHERE r.id = ANY (ARRAY (SELECT id FROM capped
                              UNION ALL SELECT id FROM by_site WHERE id IS NOT NULL))
     RETURNING r.id, r.message_id, r.domain, r.address, r.attempts, r.created_at, r.last_code,
               r.last_enhanced_code, r.last_response, r.lane, r.site
@@ -167,12 +180,16 @@ async def claim_due_recipients(
     batch: int,
     lane_weights: Mapping[str, float] | None = None,
     ahead: float = SITE_AHEAD,
+    org_cap: int | None = None,
+    org_room: Mapping[uuid.UUID, int] | None = None,
 ) -> Claim:
     """Claim up to `batch` due recipients, shared fairly between (org, lane) groups by
     `lane_weights` (a lane missing from it weighs 1), from the site queues as far as their
-    budgets have room (`ahead` seconds of tokens) and from the rest of the queue.
+    budgets have room (`ahead` seconds of tokens) and from the rest of the queue: at most
+    `org_room[org]` of an org there (none of one whose room is 0) and `org_cap` of any other.
     `group_deliveries` (outbound/claims.py) makes the deliveries."""
     weights = dict(lane_weights or {})
+    room = dict(org_room or {})
     rows = []
     come_back = None
     for row in await db.fetch(
@@ -183,6 +200,10 @@ async def claim_due_recipients(
         list(weights),
         [float(w) for w in weights.values()],
         float(ahead),
+        [org for org, n in room.items() if n <= 0],
+        batch if org_cap is None else max(0, org_cap),
+        list(room),
+        [max(0, n) for n in room.values()],
     ):
         if row["id"] is None:
             come_back = max(0.0, row["site_delay"])

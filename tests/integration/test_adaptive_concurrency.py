@@ -6,12 +6,14 @@ queue (PostgreSQL) --> DeliveryEngine --DNS--> DnsServer 127.0.0.1:<p>
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from pathlib import Path
 
 import asyncpg
 
-from pigeon_mta.config import DestinationSettings
+from pigeon_mta.config import DestinationSettings, Duration
+from pigeon_mta.store.orgs import ensure_org
 from tests.integration.outbound_helpers import running_engine, send, wait_until
 from tests.peers.world import mail_world
 
@@ -115,3 +117,53 @@ async def test_a_destination_with_only_a_rate_keeps_its_concurrency_limit(
         destination={"plain.test": DestinationSettings(rate=1000)},
     )
     assert most == 3, most
+
+
+async def test_an_org_whose_mail_hangs_leaves_room_for_another_orgs_mail(
+    tmp_path: Path, pool: asyncpg.Pool, db_url: str, org_id: uuid.UUID
+) -> None:
+    """Org A's 30 messages get no reply to their final dot; the engine has 8 slots and one org
+    may hold 3/4 of them. A holds 6 and no more, and org B's mail, queued afterwards, is
+    delivered while A's still hang (with every slot A's, it would wait for them)."""
+    other = await ensure_org(pool, "other")
+    async with mail_world(tmp_path) as world:
+        world.sinks.slow_seconds = 0
+        settings = world.settings(
+            db_url,
+            concurrency=8,
+            max_org_share=0.75,
+            destination_concurrency=30,
+            destination_concurrency_initial=30,
+            data_timeout=Duration(60),
+        )
+        for n in range(30):
+            await send(pool, org_id, f"held+{n}@plain.test")
+        async with running_engine(settings, pool, db_url):
+
+            async def hanging() -> bool:
+                return world.sinks.in_flight >= 6
+
+            await wait_until(hanging, 20, "org A's transactions under way")
+            await asyncio.sleep(1)
+            assert world.sinks.in_flight == 6, world.sinks.in_flight
+            for n in range(3):
+                await send(pool, other, f"user+{n}@order.test")
+
+            async def delivered() -> bool:
+                done = await pool.fetchval(
+                    "SELECT count(*) FROM recipient WHERE org_id = $1 AND status = 'delivered'",
+                    other,
+                )
+                return bool(done == 3)
+
+            await wait_until(delivered, 20, "org B's mail delivered")
+            assert world.sinks.in_flight == 6
+            world.sinks.release.set()
+
+            async def all_delivered() -> bool:
+                done = await pool.fetchval(
+                    "SELECT count(*) FROM recipient WHERE status = 'delivered'"
+                )
+                return bool(done == 33)
+
+            await wait_until(all_delivered, 40, "every message delivered")

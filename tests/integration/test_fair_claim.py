@@ -171,3 +171,33 @@ async def test_the_leftover_goes_round_rather_than_to_the_lowest_org_id(pool: as
     # one about 180 in all).
     assert totals[small] == 80
     assert totals[low] > 600 and totals[high] > 600, totals
+
+
+async def test_the_claim_takes_no_more_of_an_org_than_the_engine_has_room_for(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """An engine that holds 70 of an org's deliveries with a cap of 75 gets 5 more of it and the
+    rest of the batch from the others; one at its cap gets none of it; an org it holds nothing
+    of gets at most the cap, both lanes together."""
+    other, third = await ensure_org(pool, "other"), await ensure_org(pool, "third")
+    await bulk_queue(pool, org_id, messages=500, domain="big.test")
+    await bulk_queue(pool, other, messages=500, domain="other.test")
+    await bulk_queue(pool, third, messages=200, domain="third.test", lane="bulk")
+    await bulk_queue(pool, third, messages=200, domain="third.test", lane="transactional")
+
+    async def claim(room: dict[uuid.UUID, int]) -> Counter[uuid.UUID]:
+        claimed = await leases.claim_due_recipients(
+            pool,
+            owner=OWNER,
+            lease=300,
+            batch=100,
+            lane_weights=LANE_WEIGHTS,
+            org_cap=75,
+            org_room=room,
+        )
+        return Counter(row.org_id for row in claimed.rows)
+
+    got = await claim({org_id: 5, other: 0})
+    assert got[org_id] == 5 and got[other] == 0 and got[third] == 75, got
+    got = await claim({org_id: 0, other: 0})
+    assert got == Counter({third: 75}), got

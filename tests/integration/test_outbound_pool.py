@@ -192,7 +192,7 @@ async def test_an_engine_full_of_hung_transactions_takes_nothing_more(
     world: World, pool: asyncpg.Pool, org_id: uuid.UUID, db_url: str
 ) -> None:
     """Its listeners then NOTIFY the other processes and nodes (NotifySender asks `takes`)."""
-    settings = world.settings(db_url, concurrency=2)
+    settings = world.settings(db_url, concurrency=2, max_org_share=1.0)  # one org may fill it
     async with running_engine(settings, pool, db_url) as engine:
         await asyncio.sleep(0.3)
         assert engine.takes(1) is True

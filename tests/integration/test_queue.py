@@ -393,6 +393,10 @@ async def test_claim_query_uses_the_partial_index(pool: asyncpg.Pool, org_id: uu
             ["transactional", "bulk"],
             [10.0, 1.0],
             0.5,
+            [],
+            100,
+            [],
+            [],
         )
         await conn.execute("ROLLBACK AND CHAIN")
     nodes = list(_plan_nodes(json.loads(plan) if isinstance(plan, str) else plan))

@@ -71,8 +71,21 @@ def fast(count: int, at: float = 0.0, seconds: float = 0.1) -> list[Event]:
         (
             "slow replies hold the limit",
             AimdPolicy(maximum=200),
-            [*fast(5), *fast(20, at=1.0, seconds=1.5)],
+            [*fast(5), *fast(20, at=1.0, seconds=1.2)],
             15,
+        ),
+        (
+            # Beyond twice the slow bound (0.1 * 2 + 0.5 = 0.7 s): overloaded, one fewer a round.
+            "replies far slower than the baseline shrink the limit a session a round",
+            AimdPolicy(maximum=200),
+            [*fast(5), *fast(15, at=1.0, seconds=1.5), *fast(14, at=3.0, seconds=3.0)],
+            12,  # two rounds of such replies: 15 -> 12.9
+        ),
+        (
+            "never below one by slow replies",
+            AimdPolicy(maximum=200, initial=2),
+            [*fast(1), *fast(50, at=1.0, seconds=30.0)],
+            1,
         ),
         (
             "replies a little slower than the fastest, in absolute terms, still count as fast",
@@ -89,7 +102,7 @@ def fast(count: int, at: float = 0.0, seconds: float = 0.1) -> list[Event]:
         (
             "the baseline ages out, so a slower route grows again",
             AimdPolicy(maximum=200, baseline_window=60),
-            [*fast(5), *fast(5, at=10.0, seconds=1.5), *fast(5, at=100.0, seconds=1.5)],
+            [*fast(5), *fast(5, at=10.0, seconds=1.2), *fast(5, at=100.0, seconds=1.2)],
             20,
         ),
     ],
