@@ -100,8 +100,7 @@ WITH RECURSIVE groups AS (
         WHERE status = 'queued' AND org_id = s.org_id AND lane = s.lane
           AND site IS NULL AND next_attempt_at <= now()
           AND id <> ALL (ARRAY (SELECT id FROM fair))
-        ORDER BY next_attempt_at
-        LIMIT greatest(0, s.room - (SELECT count(*) FROM fair f WHERE f.org_id = s.org_id))
+        ORDER BY next_attempt_at LIMIT least($3::int, s.room)
         FOR UPDATE SKIP LOCKED) x
     LIMIT greatest(0, (SELECT n FROM batch) - (SELECT count(*) FROM fair))
 ), capped AS (
