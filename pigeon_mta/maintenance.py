@@ -27,6 +27,7 @@ from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.store import duplicates as store_duplicates
 from pigeon_mta.store import events as store_events
 from pigeon_mta.store import leases as store_leases
+from pigeon_mta.store import suspensions as store_suspensions
 from pigeon_mta.store import upkeep as store_upkeep
 from pigeon_mta.store import webhooks as store_webhooks
 from pigeon_mta.store.errors import is_outage
@@ -167,6 +168,8 @@ class Maintenance:
                 )
         # Duplicate-window entries whose window ended; duplicate receptions with their messages.
         await store_duplicates.prune(self.pool, keep_records=keep)
+        # Suspensions that ended an hour ago (reply holds come and go: one row per org and site).
+        await store_suspensions.prune(self.pool)
         if keep > 0:
             # Webhook events sent or given up, as old as the mail they report on.
             await store_webhooks.prune_finished_events(self.pool, older_than=keep)

@@ -105,6 +105,19 @@ async def hold(db: Executor, holds: dict[str, tuple[float, str]]) -> None:
     )
 
 
+# An ended suspension is kept this long (an operator looking into a recent hold finds it in the
+# table), then deleted: holds come and go with replies, one row per org and site.
+KEEP_ENDED = 3600.0
+
+
+async def prune(db: Executor, *, keep: float = KEEP_ENDED) -> int:
+    """Delete suspensions that ended more than `keep` seconds ago; how many."""
+    result = await db.execute(
+        "DELETE FROM suspension WHERE until < now() - make_interval(secs => $1)", float(keep)
+    )
+    return int(result.split()[-1])
+
+
 async def resume(conn: asyncpg.Connection, key: str) -> bool:
     """End the suspension of `key`; False if there was none in force."""
     async with conn.transaction():

@@ -145,3 +145,18 @@ async def test_a_task_that_fails_does_not_stop_the_rest_of_the_round(
     assert (
         await pool.fetchval("SELECT count(*) FROM recipient WHERE delay_warned_at IS NOT NULL") == 0
     )
+
+
+async def test_suspensions_that_ended_an_hour_ago_are_deleted(pool: asyncpg.Pool) -> None:
+    """Reply holds come and go, one row per org and site: the round deletes those that ended
+    more than an hour ago, and keeps those in force, recently ended or until resumed."""
+    await pool.execute(
+        """INSERT INTO suspension (key, until, reason, kind) VALUES
+               ('destination:site:a|org:1', now() - interval '2 hours', 'old hold', 'reply'),
+               ('destination:site:a|org:2', now() - interval '10 minutes', 'recent', 'reply'),
+               ('destination:site:a|org:3', now() + interval '10 minutes', 'in force', 'reply'),
+               ('org:4', NULL, 'abuse review', 'operator')"""
+    )
+    await Maintenance(Settings(), pool).sweep_once()
+    kept = await pool.fetch("SELECT reason FROM suspension ORDER BY reason")
+    assert [r["reason"] for r in kept] == ["abuse review", "in force", "recent"]
