@@ -26,6 +26,7 @@ from pigeon_mta.config import Settings
 from pigeon_mta.metrics import DESTINATION_THROTTLING
 from pigeon_mta.model import Reply
 from pigeon_mta.outbound.limits import DestinationPolicy
+from pigeon_mta.plain import plain_text
 from pigeon_mta.store import budgets as store
 from pigeon_mta.store import suspensions
 from pigeon_mta.store.budgets import DESTINATION, Limit, Throttling
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 DECREASE_HOLD = 1.0
 # Replies that arrive within this window share one statement.
 REPORT_WINDOW = 0.005
+# What a report keeps of the reply it quotes.
+MAX_REASON = 500
 # Destinations whose traffic is remembered before the record starts over.
 MAX_TRAFFIC_KEYS = 10000
 
@@ -98,7 +101,7 @@ class ThrottlingReports:
             self.holder,
             max(traffic.rate, float(traffic.count), earlier.rate if earlier else 1.0),
             max(traffic.in_flight, earlier.concurrency if earlier else 1),
-            str(reply),
+            plain_text(str(reply), MAX_REASON),
         )
         self._report_soon()
 
@@ -107,12 +110,14 @@ class ThrottlingReports:
         or a site's for all."""
         earlier = self._holds.get(key)
         if earlier is None or seconds > earlier[0]:
-            self._holds[key] = (seconds, reason)
+            # The reason quotes the destination's reply: plain and bounded, storable whatever
+            # bytes the reply held.
+            self._holds[key] = (seconds, plain_text(reason, MAX_REASON))
         self._report_soon()
 
     def limit(self, key: str, rate: float, sessions: int, seconds: float, reason: str) -> None:
         """Report a reply rule's limit of a site's rate or sessions, for `seconds`."""
-        self._limits[key] = Limit(key, rate, sessions, seconds, reason)
+        self._limits[key] = Limit(key, rate, sessions, seconds, plain_text(reason, MAX_REASON))
         self._report_soon()
 
     def _report_soon(self) -> None:

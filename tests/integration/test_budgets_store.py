@@ -6,6 +6,10 @@ import asyncio
 
 import asyncpg
 
+from pigeon_mta.config import Settings
+from pigeon_mta.model import Reply
+from pigeon_mta.outbound.limits import DestinationPolicy
+from pigeon_mta.outbound.throttling import ThrottlingReports
 from pigeon_mta.store import budgets
 from pigeon_mta.store.budgets import GrantRequest, Throttling
 from pigeon_mta.store.orgs import ensure_org
@@ -263,3 +267,28 @@ async def test_a_rules_limit_holds_for_its_time_then_the_site_is_as_it_was(
     assert key not in in_force.backing_off and key not in in_force.capped
     row = await pool.fetchrow("SELECT * FROM budget WHERE key = $1", key)
     assert (row["effective_rate"], row["effective_concurrency"]) == (0, 0)
+
+
+async def test_a_hostile_reply_is_stored_plain_in_the_hold_and_the_budget(
+    pool: asyncpg.Pool,
+) -> None:
+    """A reply with NUL, undecodable bytes and 20 KB of text that states a retry delay: the hold
+    and the budget's last reply are written, plain and bounded, and the throttling is counted."""
+    reports = ThrottlingReports(Settings(), pool, "n1/r#1")
+    reply = Reply(421, "4.7.0", "try again in 5 seconds \x00 \udcff " + "x" * 20000)
+    key = "destination:site:mx.hostile.test|org:00000000-0000-0000-0000-000000000001"
+    policy = DestinationPolicy("site:mx.hostile.test", "opportunistic", 10, 0.0, 0, 0, 100)
+    reports.throttled(policy, reply)
+    reports.hold(key, 5, f"the destination asked to retry in 5 s ({reply})")
+    for _ in range(100):
+        if await pool.fetchval("SELECT count(*) FROM suspension WHERE key = $1", key):
+            break
+        await asyncio.sleep(0.02)
+    reason = await pool.fetchval("SELECT reason FROM suspension WHERE key = $1", key)
+    assert reason.startswith("the destination asked to retry in 5 s (421 4.7.0 try again")
+    assert len(reason) <= 500 and "\x00" not in reason and reason.isascii()
+    last = await pool.fetchval(
+        "SELECT last_reply FROM budget WHERE key = 'destination:site:mx.hostile.test'"
+    )
+    assert last is not None and len(last) <= 500 and last.isascii()
+    await reports.close()
