@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 DECREASE_HOLD = 1.0
 # Replies that arrive within this window share one statement.
 REPORT_WINDOW = 0.005
+# A report the database refused is tried again, after a wait that doubles up to this.
+RETRY_MAX = 5.0
 # What a report keeps of the reply it quotes.
 MAX_REASON = 500
 # Destinations whose traffic is remembered before the record starts over.
@@ -108,46 +110,98 @@ class ThrottlingReports:
     def hold(self, key: str, seconds: float, reason: str) -> None:
         """Report a suspension a reply asked for: a site's for one org (`suspensions.hold_key`)
         or a site's for all."""
-        earlier = self._holds.get(key)
-        if earlier is None or seconds > earlier[0]:
-            # The reason quotes the destination's reply: plain and bounded, storable whatever
-            # bytes the reply held.
-            self._holds[key] = (seconds, plain_text(reason, MAX_REASON))
+        # The reason quotes the destination's reply: plain and bounded, storable whatever bytes
+        # the reply held.
+        self._add_hold(key, seconds, plain_text(reason, MAX_REASON))
         self._report_soon()
 
+    def _add_hold(self, key: str, seconds: float, reason: str) -> None:
+        earlier = self._holds.get(key)
+        if earlier is None or seconds > earlier[0]:
+            self._holds[key] = (seconds, reason)
+
     def limit(self, key: str, rate: float, sessions: int, seconds: float, reason: str) -> None:
-        """Report a reply rule's limit of a site's rate or sessions, for `seconds`."""
-        self._limits[key] = Limit(key, rate, sessions, seconds, plain_text(reason, MAX_REASON))
+        """Report a reply rule's limit of a site's rate or sessions (0: unchanged), for
+        `seconds`."""
+        self._add_limit(Limit(key, rate, sessions, seconds, plain_text(reason, MAX_REASON)))
         self._report_soon()
+
+    def _add_limit(self, limit: Limit) -> None:
+        """Two limits of one site before a report are one: the lower rate and sessions (of
+        those each sets), the longer time."""
+        earlier = self._limits.get(limit.key)
+        if earlier is not None:
+            limit = Limit(
+                limit.key,
+                _lower(earlier.rate, limit.rate),
+                int(_lower(earlier.sessions, limit.sessions)),
+                max(earlier.seconds, limit.seconds),
+                limit.reason,
+            )
+        self._limits[limit.key] = limit
 
     def _report_soon(self) -> None:
         if self._reporter is None or self._reporter.done():
             self._reporter = asyncio.create_task(self._report(), name="budget-throttling")
 
     async def _report(self) -> None:
+        """Report what waits, each kind in its own statement; what the database refused is
+        kept (merged with what came since) and tried again after a growing wait, so that an
+        outage of the database loses no hold or limit."""
+        wait = REPORT_WINDOW
         while self._reports or self._holds or self._limits:
-            await asyncio.sleep(REPORT_WINDOW)
+            await asyncio.sleep(wait)
+            refused = False
             reports, self._reports = list(self._reports.values()), {}
+            if reports:
+                try:
+                    await store.report_throttling(
+                        self.pool,
+                        reports,
+                        factor=self.delivery.backoff_factor,
+                        hold=DECREASE_HOLD,
+                    )
+                except DB_ERRORS as exc:
+                    refused = True
+                    log.warning("cannot report throttling replies (will retry): %s", exc)
+                    for report in reports:
+                        self._reports.setdefault(report.key, report)  # a newer one stands
+                else:
+                    for report in reports:
+                        log.info("destination %s is throttling: %s", report.key, report.reply)
             holds, self._holds = self._holds, {}
+            if holds:
+                try:
+                    await suspensions.hold(self.pool, holds)
+                except DB_ERRORS as exc:
+                    refused = True
+                    log.warning("cannot store suspensions replies asked for (will retry): %s", exc)
+                    for key, (seconds, reason) in holds.items():
+                        self._add_hold(key, seconds, reason)
+                else:
+                    for key, (seconds, reason) in holds.items():
+                        log.info("%s suspended for %g s: %s", key, seconds, reason)
             limits, self._limits = list(self._limits.values()), {}
-            try:
-                await store.report_throttling(
-                    self.pool, reports, factor=self.delivery.backoff_factor, hold=DECREASE_HOLD
-                )
-                await suspensions.hold(self.pool, holds)
-                await store.limit_budgets(self.pool, limits)
-            except DB_ERRORS as exc:
-                log.warning("cannot report throttling replies: %s", exc)
-                return
-            for report in reports:
-                log.info("destination %s is throttling: %s", report.key, report.reply)
-            for key, (seconds, reason) in holds.items():
-                log.info("%s suspended for %g s: %s", key, seconds, reason)
-            for limit in limits:
-                log.info("%s limited for %g s: %s", limit.key, limit.seconds, limit.reason)
+            if limits:
+                try:
+                    await store.limit_budgets(self.pool, limits)
+                except DB_ERRORS as exc:
+                    refused = True
+                    log.warning("cannot store reply rules' limits (will retry): %s", exc)
+                    for limit in limits:
+                        self._add_limit(limit)
+                else:
+                    for limit in limits:
+                        log.info("%s limited for %g s: %s", limit.key, limit.seconds, limit.reason)
+            wait = min(RETRY_MAX, max(0.1, wait * 2)) if refused else REPORT_WINDOW
 
     async def close(self) -> None:
         if self._reporter is not None:
             self._reporter.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reporter
+
+
+def _lower(a: float, b: float) -> float:
+    """The lower of two limits, where 0 sets none."""
+    return min(a, b) if a > 0 and b > 0 else max(a, b)

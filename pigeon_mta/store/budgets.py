@@ -278,24 +278,26 @@ async def report_connections(
     park_for: float,
     park_max: float,
 ) -> list[ParkingChange]:
-    """Count each site's failed connections in a row and park or unpark it (one transaction);
+    """Count each site's failed connections in a row and park or unpark it (one statement);
     returns each site's parking after the report."""
     if not reports:
         return []
     reports = sorted(reports, key=lambda r: r.key)
     keys = [r.key for r in reports]
-    async with db.acquire() as conn, conn.transaction():
-        await conn.execute(_ENSURE, keys)
-        rows = await conn.fetch(
-            _CONNECTIONS,
-            keys,
-            [r.failed for r in reports],
-            [r.healthy for r in reports],
-            [r.reason for r in reports],
-            park_after,
-            float(park_for),
-            float(park_max),
-        )
+    # The missing rows first, in a statement of their own (one transaction with the update
+    # would keep the new rows locked while it waits for the others, against budget_throttled,
+    # which locks a row and then inserts the next); the update is one statement.
+    await db.execute(_ENSURE, keys)
+    rows = await db.fetch(
+        _CONNECTIONS,
+        keys,
+        [r.failed for r in reports],
+        [r.healthy for r in reports],
+        [r.reason for r in reports],
+        park_after,
+        float(park_for),
+        float(park_max),
+    )
     return [ParkingChange(r["key"], r["parked_until"], r["was_parked"]) for r in rows]
 
 

@@ -87,7 +87,8 @@ async def suspend(
 async def hold(db: Executor, holds: dict[str, tuple[float, str]]) -> None:
     """Suspensions a reply asked for (kind 'reply'): sites held for orgs (`hold_key`) for the
     seconds the reply stated, or sites for every org (a reply rule's), each {key: (seconds,
-    reason)}. One in force is only ever lengthened; an operator's of the same key stands."""
+    reason)}. One in force is only ever lengthened; an operator's of the same key stands while
+    in force, and one until resumed (whoever wrote it) is never made one that ends."""
     if not holds:
         return
     keys = sorted(holds)
@@ -96,9 +97,11 @@ async def hold(db: Executor, holds: dict[str, tuple[float, str]]) -> None:
             SELECT k, now() + make_interval(secs => s), r, '{REPLY}'
             FROM unnest($1::text[], $2::float8[], $3::text[]) AS v (k, s, r)
             ON CONFLICT (key) DO UPDATE
-            SET until = greatest(x.until, excluded.until), reason = excluded.reason,
+            SET until = CASE WHEN {ACTIVE} THEN greatest(x.until, excluded.until)
+                             ELSE excluded.until END,
+                reason = excluded.reason, kind = '{REPLY}',
                 created_at = CASE WHEN {ACTIVE} THEN x.created_at ELSE now() END
-            WHERE x.kind = '{REPLY}'""",
+            WHERE x.until IS NOT NULL AND (x.kind = '{REPLY}' OR x.until <= now())""",
         keys,
         [holds[k][0] for k in keys],
         [holds[k][1] for k in keys],
