@@ -123,6 +123,12 @@ class DeliveryEngine:
         self._by_org: collections.Counter[uuid.UUID] = collections.Counter()
         self._org_of: dict[asyncio.Task[None], uuid.UUID] = {}
         self._org_cap = max(1, int(self.delivery.concurrency * self.delivery.max_org_share))
+        # Recipients reserved for this process's listeners, per org (see `reserve`).
+        self._reserved_by_org: collections.Counter[uuid.UUID] = collections.Counter()
+        # Set when an org at its cap has a few slots again: a claim that left due mail of a
+        # capped org behind comes back then rather than after the poll interval.
+        self._org_room = asyncio.Event()
+        self._org_step = max(1, self._bite // 4)
         self._lane_weights = {name: lane.weight for name, lane in settings.lanes.items()}
 
     # ------------------------------------------------------------ service
@@ -161,25 +167,39 @@ class DeliveryEngine:
         self._promised += recipients
         return True
 
-    def reserve(self, recipients: int) -> tuple[str, float] | None:
+    def reserve(self, recipients: int, org_id: uuid.UUID) -> tuple[str, float] | None:
         """Room for a message of this process's listeners that is being committed: the lease
         owner and lease its recipients are queued with, claimed by this engine, or None when it
-        has no room now (the message is then queued for a claim). Held until `adopt` or
-        `unreserve`. Mail handed over this way costs no claim: no statement, no body read back."""
+        has no room now, or none for `org_id` (its share, `delivery.max_org_share`): the message
+        is then queued for a claim. Held until `adopt` or `unreserve`. Mail handed over this way
+        costs no claim: no statement, no body read back."""
         if self._stopping.is_set() or self._claimer is None or self._claimer.done():
             return None
         if self._claimable() - self._promised < recipients:
             return None
+        if self._org_taken(org_id) + recipients > self._org_cap:
+            return None
         self._reserved += recipients
+        self._reserved_by_org[org_id] += recipients
         return self.owner, self.delivery.lease
 
-    def unreserve(self, recipients: int) -> None:
+    def unreserve(self, recipients: int, org_id: uuid.UUID) -> None:
         self._reserved = max(0, self._reserved - recipients)
+        left = self._reserved_by_org[org_id] - recipients
+        if left > 0:
+            self._reserved_by_org[org_id] = left
+        else:
+            del self._reserved_by_org[org_id]
+
+    def _org_taken(self, org_id: uuid.UUID) -> int:
+        """The engine's slots an org holds or has reserved."""
+        return self._by_org.get(org_id, 0) + self._reserved_by_org.get(org_id, 0)
 
     def adopt(self, rows: Sequence[ClaimedRow]) -> None:
         """The committed recipients of a reservation, queued claimed by this engine: delivered
         as if claimed (suppressed ones recorded, not attempted)."""
-        self.unreserve(len(rows))
+        if rows:
+            self.unreserve(len(rows), rows[0].org_id)
         deliveries = group_deliveries(rows, self._destination)
         self.claims.hold(deliveries, asyncio.get_running_loop().time())
         if self._stopping.is_set():
@@ -295,7 +315,10 @@ class DeliveryEngine:
                     batch=want,
                     lane_weights=self._lane_weights,
                     org_cap=self._org_cap,
-                    org_room={o: self._org_cap - n for o, n in self._by_org.items()},
+                    org_room={
+                        o: self._org_cap - self._org_taken(o)
+                        for o in self._by_org.keys() | self._reserved_by_org.keys()
+                    },
                 )
             except DB_ERRORS as exc:
                 log.warning("delivery engine cannot claim work: %s", exc)
@@ -311,11 +334,13 @@ class DeliveryEngine:
             self.claims.hold(deliveries, loop.time())
             self._start(deliveries)
             if len(claimed.rows) < want:
-                # A site queue whose budget had no more room has some again this soon.
+                # A site queue whose budget had no more room has some again this soon; an org
+                # at its cap, when a few of its deliveries are done.
                 wait = float(delivery.poll_interval)
                 if claimed.come_back is not None:
                     wait = min(wait, max(SITE_ROUND, claimed.come_back))
-                await self._idle(wait)
+                self._org_room.clear()
+                await self._idle(wait, self._org_room if self._capped() else None)
                 # Woken (by new mail, most likely): let what is being queued right now join
                 # this claim instead of costing one each.
                 await self._pause(delivery.claim_wait)
@@ -325,14 +350,33 @@ class DeliveryEngine:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), seconds)
 
-    async def _idle(self, timeout: float) -> None:
+    def _capped(self) -> bool:
+        """Whether an org holds its share of the engine (its due mail, if any, was left)."""
+        return any(n >= self._org_cap for n in self._by_org.values())
+
+    async def _idle(self, timeout: float, room: asyncio.Event | None = None) -> None:
+        """Wait for new mail (the waker), `room`, stop, or `timeout` seconds."""
         if self._stopping.is_set():
             return
+        if room is None:
+            if self.waker is not None:
+                await self.waker.wait(timeout)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), timeout)
+            return
+        waits: list[asyncio.Future[object]] = [
+            asyncio.ensure_future(self._stopping.wait()),
+            asyncio.ensure_future(room.wait()),
+        ]
         if self.waker is not None:
-            await self.waker.wait(timeout)
-        else:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), timeout)
+            waits.append(asyncio.ensure_future(self.waker.wait(timeout)))
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
 
     def _destination(self, domain: str) -> str:
         """Where a domain's mail goes: recipients of one message at domains that share a static
@@ -364,6 +408,8 @@ class DeliveryEngine:
             self._by_org[org] -= 1
             if self._by_org[org] <= 0:
                 del self._by_org[org]
+            if self._by_org.get(org, 0) == self._org_cap - self._org_step:
+                self._org_room.set()
         self._room.set()
 
     # ------------------------------------------------------------ one delivery

@@ -43,11 +43,12 @@ class Engine(Protocol):
     """This process's delivery engine, as the group commit hands it messages
     (outbound/engine.py)."""
 
-    def reserve(self, recipients: int) -> tuple[str, float] | None:
-        """Room for a message of this many recipients, kept until `adopt` or `unreserve`: the
-        lease owner and lease its rows are written with; None when it has no room now."""
+    def reserve(self, recipients: int, org_id: uuid.UUID) -> tuple[str, float] | None:
+        """Room for a message of this many recipients of `org_id`, kept until `adopt` or
+        `unreserve`: the lease owner and lease its rows are written with; None when it has no
+        room now (or none for the org)."""
 
-    def unreserve(self, recipients: int) -> None:
+    def unreserve(self, recipients: int, org_id: uuid.UUID) -> None:
         """A reservation not used (the commit failed, or did not hand the message off)."""
 
     def adopt(self, rows: Sequence[ClaimedRow]) -> None:
@@ -128,7 +129,7 @@ class GroupCommit:
         except BaseException as exc:
             for e in offered:
                 if e.handoff is not None and self._engine is not None:
-                    self._engine.unreserve(len(e.recipients))
+                    self._engine.unreserve(len(e.recipients), e.org_id)
             if len(batch) > 1 and _worth_one_by_one(exc):
                 log.warning(
                     "a batch of %d messages was refused (%s); committing them one by one",
@@ -150,7 +151,7 @@ class GroupCommit:
         """The envelope with a handoff when the engine has room for it."""
         if self._engine is None or envelope.received_at is None:
             return envelope
-        room = self._engine.reserve(len(envelope.recipients))
+        room = self._engine.reserve(len(envelope.recipients), envelope.org_id)
         if room is None:
             return envelope
         owner, lease = room
@@ -185,7 +186,7 @@ class GroupCommit:
                     ]
                 )
                 return
-            self._engine.unreserve(len(e.recipients))
+            self._engine.unreserve(len(e.recipients), e.org_id)
         duplicates = enqueued.duplicates.get(queue_id)
         queued = len(e.recipients) - (len(duplicates.originals) if duplicates else 0)
         if queued and self._on_queued is not None:

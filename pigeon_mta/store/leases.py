@@ -66,10 +66,13 @@ WITH RECURSIVE groups AS (
     WHERE g.oldest <= now() AND NOT suspended(g.org_id, g.lane)
       AND g.org_id <> ALL ($7::uuid[])
 ), by_site AS MATERIALIZED (
-    -- Half the batch at most while due mail without a site waits, so neither starves.
+    -- Half the batch at most while due mail without a site waits, so neither starves; of an
+    -- org, no more than the engine's room for it.
     SELECT * FROM site_pick(
         CASE WHEN EXISTS (SELECT 1 FROM due) THEN ($3::int + 1) / 2 ELSE $3::int END,
-        $4::text[], $5::float8[], $6::float8)
+        $4::text[], $5::float8[], $6::float8, 60, $9::uuid[], $10::int[], $8::int)
+), site_taken AS (
+    SELECT org_id, count(*)::int AS n FROM by_site WHERE id IS NOT NULL GROUP BY org_id
 ), batch AS (
     SELECT $3::int - (SELECT count(*) FROM by_site WHERE id IS NOT NULL)::int AS n
 ), lanes AS (
@@ -77,15 +80,29 @@ WITH RECURSIVE groups AS (
                AS share
     FROM (SELECT DISTINCT lane, weight FROM due) l
 ), shares AS (
-    -- `room`: what the engine has room for of the org ($9, $10; $8 for an org it holds none of).
-    SELECT d.org_id, d.lane, random() AS turn,
-           (l.share / d.orgs + CASE WHEN d.pick <= l.share % d.orgs THEN 1 ELSE 0 END)::int
-               AS share,
-           coalesce(a.room, $8::int) AS room
-    FROM due d JOIN lanes l USING (lane)
-    LEFT JOIN unnest($9::uuid[], $10::int[]) AS a (org_id, room) ON a.org_id = d.org_id
+    -- `room`: what the engine has room for of the org ($9, $10; $8 for an org it holds none of),
+    -- less what the site queues gave of it; when it is less than the batch, split between the
+    -- org's lanes (the heavier first for what does not divide), so that no group takes what
+    -- another group of its org needs.
+    SELECT s.org_id, s.lane, s.turn, s.share,
+           CASE WHEN s.org_room >= $3::int THEN s.org_room
+                ELSE s.org_room / s.org_lanes
+                     + CASE WHEN s.lane_pick <= s.org_room % s.org_lanes THEN 1 ELSE 0 END
+           END::int AS room
+    FROM (
+        SELECT d.org_id, d.lane, random() AS turn,
+               (l.share / d.orgs + CASE WHEN d.pick <= l.share % d.orgs THEN 1 ELSE 0 END)::int
+                   AS share,
+               greatest(0, coalesce(a.room, $8::int) - coalesce(st.n, 0)) AS org_room,
+               count(*) OVER (PARTITION BY d.org_id) AS org_lanes,
+               row_number() OVER (PARTITION BY d.org_id ORDER BY d.weight DESC, d.lane)
+                   AS lane_pick
+        FROM due d JOIN lanes l USING (lane)
+        LEFT JOIN unnest($9::uuid[], $10::int[]) AS a (org_id, room) ON a.org_id = d.org_id
+        LEFT JOIN site_taken st ON st.org_id = d.org_id
+    ) s
 ), fair AS (
-    SELECT x.id, s.org_id FROM (SELECT * FROM shares WHERE share > 0 ORDER BY turn) s
+    SELECT x.id, s.org_id, s.lane FROM (SELECT * FROM shares WHERE share > 0 ORDER BY turn) s
     CROSS JOIN LATERAL (
         SELECT id FROM recipient
         WHERE status = 'queued' AND org_id = s.org_id AND lane = s.lane
@@ -94,23 +111,19 @@ WITH RECURSIVE groups AS (
         FOR UPDATE SKIP LOCKED) x
     LIMIT (SELECT n FROM batch)
 ), rest AS (
-    SELECT x.id, s.org_id FROM (SELECT * FROM shares ORDER BY turn) s
+    SELECT x.id FROM (SELECT * FROM shares ORDER BY turn) s
     CROSS JOIN LATERAL (
         SELECT id FROM recipient
         WHERE status = 'queued' AND org_id = s.org_id AND lane = s.lane
           AND site IS NULL AND next_attempt_at <= now()
           AND id <> ALL (ARRAY (SELECT id FROM fair))
-        ORDER BY next_attempt_at LIMIT least($3::int, s.room)
+        -- The group's room less its fair rows: every row taken is kept, so the batch fills.
+        ORDER BY next_attempt_at
+        LIMIT greatest(0, least($3::int, s.room - (SELECT count(*) FROM fair f
+                                                    WHERE f.org_id = s.org_id
+                                                      AND f.lane = s.lane)))
         FOR UPDATE SKIP LOCKED) x
     LIMIT greatest(0, (SELECT n FROM batch) - (SELECT count(*) FROM fair))
-), capped AS (
-    -- An org of two lanes got its room in each: no more than its room in all, its fair rows
-    -- first.
-    SELECT v.id FROM (
-        SELECT u.id, u.org_id, row_number() OVER (PARTITION BY u.org_id ORDER BY u.k) AS n
-        FROM (SELECT id, org_id, 0 AS k FROM fair UNION ALL SELECT id, org_id, 1 FROM rest) u
-    ) v LEFT JOIN unnest($9::uuid[], $10::int[]) AS a (org_id, room) USING (org_id)
-    WHERE v.n <= coalesce(a.room, $8::int)
 ), wake AS (
     -- Deferred recipients whose next attempt is due leave the retry queue (migration 0024): the
     -- next claim finds them (this one reads the table as it was when it began).
@@ -127,7 +140,7 @@ WITH RECURSIVE groups AS (
         lease_owner = $2,
         attempts = r.attempts + 1,
         updated_at = now()
-    WHERE r.id = ANY (ARRAY (SELECT id FROM capped
+    WHERE r.id = ANY (ARRAY (SELECT id FROM fair UNION ALL SELECT id FROM rest
                              UNION ALL SELECT id FROM by_site WHERE id IS NOT NULL))
     RETURNING r.id, r.message_id, r.domain, r.address, r.attempts, r.created_at, r.last_code,
               r.last_enhanced_code, r.last_response, r.lane, r.site

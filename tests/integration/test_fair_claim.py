@@ -201,3 +201,28 @@ async def test_the_claim_takes_no_more_of_an_org_than_the_engine_has_room_for(
     assert got[org_id] == 5 and got[other] == 0 and got[third] == 75, got
     got = await claim({org_id: 0, other: 0})
     assert got == Counter({third: 75}), got
+
+
+async def test_an_org_at_its_room_leaves_the_batch_to_the_others_and_it_fills(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    """An org with room for 3 more, due in two lanes, gets 3 in all; the other orgs fill the
+    rest of the batch to the last place (what the org could not take is not left empty)."""
+    others = [await ensure_org(pool, f"other-{n}") for n in range(3)]
+    for lane in ("bulk", "transactional"):
+        await bulk_queue(pool, org_id, messages=300, domain=f"{lane}.big.test", lane=lane)
+    for n, other in enumerate(others):
+        await bulk_queue(pool, other, messages=60, domain=f"o{n}.test", lane="bulk")
+    for _ in range(5):
+        claimed = await leases.claim_due_recipients(
+            pool,
+            owner=OWNER,
+            lease=300,
+            batch=100,
+            lane_weights=LANE_WEIGHTS,
+            org_cap=1000,
+            org_room={org_id: 3},
+        )
+        got = Counter(row.org_id for row in claimed.rows)
+        assert got[org_id] == 3 and len(claimed.rows) == 100, got
+        await pool.execute("UPDATE recipient SET status = 'queued', lease_until = NULL")

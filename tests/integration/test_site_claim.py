@@ -223,3 +223,32 @@ async def test_a_message_to_many_recipients_of_a_site_costs_one_token(
     assert len(group_deliveries(claimed.rows)) == 1
     tokens = await pool.fetchval("SELECT tokens FROM budget WHERE key = $1", SITE)
     assert 1.0 <= tokens < 1.01, tokens  # 2, less one
+
+
+async def test_the_site_claim_takes_no_more_of_an_org_than_the_engine_has_room_for(
+    pool: asyncpg.Pool,
+) -> None:
+    """An org at its room gets nothing from a site queue, whose room goes to the others; one
+    with room for 4 gets 4 in all, from the site queue and the general queue together."""
+    full, small, other = [await ensure_org(pool, n) for n in ("full", "small", "other")]
+    for org in (full, small, other):
+        await in_site_queue(pool, org, 100)
+    await bulk_queue(pool, small, messages=50, domain="general.test")
+    await budget(pool, tokens=RATE)
+
+    async def take(room: dict[uuid.UUID, int]) -> Counter[uuid.UUID]:
+        claimed = await leases.claim_due_recipients(
+            pool,
+            owner="site-test/run",
+            lease=300,
+            batch=100,
+            lane_weights=LANE_WEIGHTS,
+            ahead=AHEAD,
+            org_cap=1000,
+            org_room=room,
+        )
+        return Counter(row.org_id for row in claimed.rows)
+
+    got = await take({full: 0, small: 4})
+    assert got[full] == 0 and got[small] == 4, got
+    assert got[other] == int(RATE + AHEAD * RATE) - 4, got
