@@ -2,8 +2,9 @@
 something an operator (or a mailbox provider's documentation) knows the meaning of.
 
 A rule is a regular expression over the reply ("CODE ENHANCED-CODE TEXT", case-insensitive, the
-first 1,024 characters with whitespace runs made one space), optionally the MX hosts it applies
-to, and an action:
+first 1,024 characters with whitespace runs made one space, and what the server echoes of the
+message, addresses, <...> and IPv4 addresses, replaced by ADDRESS, <> and IP), optionally the MX
+hosts it applies to, and an action:
 
     suspend   the site's mail is not attempted for `duration`: of the org whose mail got the reply
               (scope "org", the default) or of every org (scope "all"); the recipient is retried
@@ -57,7 +58,7 @@ DEFAULT_RULES: tuple[ShapingRuleSettings, ...] = (
     # from your IP address ... temporarily rate limited": the org whose mail drew it waits.
     ShapingRuleSettings(
         "gmail-unsolicited-rate",
-        r"\b4\.7\.28\b",
+        r"^4[0-9][0-9] 4\.7\.28\b",
         "suspend",
         site="*.google.com",
         duration=Duration(3600),
@@ -65,7 +66,7 @@ DEFAULT_RULES: tuple[ShapingRuleSettings, ...] = (
     # Gmail: "421-4.7.0 ... unusual rate of traffic" / "try again later": fewer sessions.
     ShapingRuleSettings(
         "gmail-unusual-rate",
-        r"\b4\.7\.0\b.{0,200}\bunusual rate\b",
+        r"^4[0-9][0-9] 4\.7\.0\b.{0,200}\bunusual rate\b",
         "sessions",
         site="*.google.com",
         value=2,
@@ -75,7 +76,7 @@ DEFAULT_RULES: tuple[ShapingRuleSettings, ...] = (
     # reputation" (4.7.651, 4.7.652 alike): a slow rate for an hour.
     ShapingRuleSettings(
         "microsoft-ip-reputation",
-        r"\b4\.7\.65[0-2]\b",
+        r"^4[0-9][0-9] 4\.7\.65[0-2]\b",
         "rate",
         site="*.outlook.com",
         value=1,
@@ -85,7 +86,7 @@ DEFAULT_RULES: tuple[ShapingRuleSettings, ...] = (
     # blocked for every tenant until delisted (sender.office.com); nothing is bounced meanwhile.
     ShapingRuleSettings(
         "microsoft-blocklist",
-        r"\bS3150\b",
+        r"^5[0-9][0-9] 5\.7\.1\b.{0,500}\(S3150\)",
         "suspend",
         site="*.outlook.com",
         scope="all",
@@ -95,7 +96,7 @@ DEFAULT_RULES: tuple[ShapingRuleSettings, ...] = (
     # user complaints": the org whose mail drew it waits.
     ShapingRuleSettings(
         "yahoo-volume-complaints",
-        r"\bTSS04\b",
+        r"^4[0-9][0-9] (4\.7\.0 )?\[TSS04\]",
         "suspend",
         site="*.yahoodns.net",
         duration=Duration(3600),

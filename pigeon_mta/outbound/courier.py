@@ -178,7 +178,9 @@ class Courier:
             results = self._judge(
                 delivery, tx.results, tx_started_at, tx.peer, tx.duration, dkim=signed.dkim
             )
-            results, actions = shaping.apply(results, self.rules, policy.key, datetime.now(UTC))
+            results, actions = shaping.apply(
+                results, self.rules, policy.key, datetime.now(UTC), self._expiries(delivery)
+            )
             throttled = throttling_reply(results)
             outcome = transaction_outcome(tx, throttled)
         finally:
@@ -267,6 +269,11 @@ class Courier:
                 break
         return tx
 
+    def _expiries(self, delivery: Delivery) -> dict[uuid.UUID, datetime]:
+        """When each recipient reaches its lane's max age."""
+        age = timedelta(seconds=self.max_age_of(delivery.lane))
+        return {r.id: r.queued_at + age for r in delivery.recipients}
+
     def _judge(
         self,
         delivery: Delivery,
@@ -303,8 +310,8 @@ def throttling_reply(results: Sequence[AttemptResult]) -> Reply | None:
     about our rate, outcome.rate_limits_are_temporary): the destination's server asking for
     less."""
     for result in results:
-        if result.category != Category.RATE_LIMITED:
-            continue
+        if result.category != Category.RATE_LIMITED or result.outcome == Outcome.BOUNCED:
+            continue  # a bounce (a reply rule's) asks nothing of the destination's rate
         if 400 <= result.reply.code < 500 or RATE_LIMIT_IS_TEMPORARY in (result.rule or ""):
             return result.reply
     return None

@@ -2,9 +2,16 @@
 
 `apply` finds, for each recipient's reply that did not deliver, the first rule that matches
 it and the MX host that gave it, and changes the result as the rule says (a bounce, or a deferral
-until a suspension ends); the attempt's rule names the shaping rule and its action, which
-`pigeon-mta log` shows. It returns the actions for the cluster (a suspension, a lowered rate or
-sessions), one per rule and org, which the courier hands to its budgets.
+until a suspension ends; an expiry when that would come after the recipient's max age); the
+attempt's rule names the shaping rule and its action, which `pigeon-mta log` shows. It returns
+the actions for the cluster (a suspension, a lowered rate or sessions), one per rule and org,
+which the courier hands to its budgets.
+
+What a rule reads is the reply as the server wrote it, less what the server echoes of the
+message: addresses, anything in angle brackets, IPv4 addresses (each becomes a placeholder), so
+that a recipient named "S3150@example.com" or an IP 203.4.7.28 does not set off a rule. A reply
+about the recipient's mailbox (enhanced status X.1.* or X.2.*) is never taken for a reply about
+us: a suspend, rate or sessions rule passes it by (a bounce rule still applies).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import dataclasses
 import fnmatch
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -26,6 +33,14 @@ from pigeon_mta.outbound.classify import CLASSIFY_PREFIX
 RETRY_UNDER_LIMIT = 60.0
 # What a rule's reason quotes of the reply.
 QUOTED_REPLY = 200
+# What the server echoes of the message, each replaced before the rules read the reply.
+_ECHOES = (
+    (re.compile(r"<[^<>]{0,300}>"), "<>"),
+    (re.compile(r"[^\s<>\[\]()]{1,200}@[^\s<>\[\]()]{1,200}"), "ADDRESS"),
+    (re.compile(r"(?<![0-9.])[0-9]{1,3}(?:\.[0-9]{1,3}){3}(?![0-9.])"), "IP"),
+)
+# Enhanced status classes about the recipient's mailbox (RFC 3463: X.1 address, X.2 mailbox).
+_ABOUT_THE_MAILBOX = re.compile(r"^[245]\.[12]\.")
 
 
 @dataclass(frozen=True)
@@ -78,8 +93,7 @@ def matching(rules: Sequence[Rule], reply: Reply, host: str | None, site: str) -
     that replied) or the site's key."""
     if not rules:
         return None
-    text = " ".join(f"{reply.code:03d} {reply.enhanced_code or ''} {reply.text}".split())
-    text = text[:CLASSIFY_PREFIX]
+    text = reply_text(reply)
     names = [n for n in ((host or "").lower(), site.lower()) if n]
     for rule in rules:
         if rule.sites and not any(fnmatch.fnmatchcase(n, s) for s in rule.sites for n in names):
@@ -89,10 +103,26 @@ def matching(rules: Sequence[Rule], reply: Reply, host: str | None, site: str) -
     return None
 
 
+def reply_text(reply: Reply) -> str:
+    """What the rules read of a reply: "CODE ENHANCED TEXT" on one line, the first 1,024
+    characters, with what the server echoed of the message replaced (see the module's doc)."""
+    text = reply.text[: 4 * CLASSIFY_PREFIX]
+    for echo, placeholder in _ECHOES:
+        text = echo.sub(placeholder, text)
+    text = " ".join(f"{reply.code:03d} {reply.enhanced_code or ''} {text}".split())
+    return text[:CLASSIFY_PREFIX]
+
+
 def apply(
-    results: Sequence[AttemptResult], rules: Sequence[Rule], site: str, now: datetime
+    results: Sequence[AttemptResult],
+    rules: Sequence[Rule],
+    site: str,
+    now: datetime,
+    expires: Mapping[uuid.UUID, datetime] | None = None,
 ) -> tuple[list[AttemptResult], list[Action]]:
-    """The results as the rules change them, and the actions to take (one per rule and org)."""
+    """The results as the rules change them, and the actions to take (one per rule and org).
+    `expires`: when each recipient reaches its max age (queued_at + max age); a recipient a
+    rule would retry after that expires now."""
     if not rules:
         return list(results), []
     out: list[AttemptResult] = []
@@ -102,17 +132,22 @@ def apply(
             out.append(result)
             continue
         rule = matching(rules, result.reply, result.mx_host, site)
+        if rule is not None and rule.action != "bounce":
+            if _ABOUT_THE_MAILBOX.match(result.reply.enhanced_code or ""):
+                rule = None
         if rule is None:
             out.append(result)
             continue
-        out.append(_changed(result, rule, now))
+        out.append(_changed(result, rule, now, (expires or {}).get(result.recipient_id)))
         if rule.action != "bounce":
             reason = f"rule {rule.name} ({rule.says()}): {str(result.reply)[:QUOTED_REPLY]}"
             actions.setdefault((rule.name, result.org_id), Action(rule, result.org_id, reason))
     return out, list(actions.values())
 
 
-def _changed(result: AttemptResult, rule: Rule, now: datetime) -> AttemptResult:
+def _changed(
+    result: AttemptResult, rule: Rule, now: datetime, expires: datetime | None
+) -> AttemptResult:
     named = f"{result.rule or ''}; shaping {rule.name}: {rule.says()}".lstrip("; ")
     if rule.action == "bounce":
         return dataclasses.replace(
@@ -124,6 +159,11 @@ def _changed(result: AttemptResult, rule: Rule, now: datetime) -> AttemptResult:
         next_at = max(result.next_attempt_at or after, after)
     else:
         next_at = result.next_attempt_at or now + timedelta(seconds=RETRY_UNDER_LIMIT)
+    if expires is not None and next_at > expires:
+        # The retry would come after the recipient's max age: it expires now, with this reply.
+        return dataclasses.replace(
+            result, outcome=Outcome.EXPIRED, next_attempt_at=None, rule=named + "; max-age"
+        )
     return dataclasses.replace(
         result, outcome=Outcome.DEFERRED, next_attempt_at=next_at, rule=named
     )

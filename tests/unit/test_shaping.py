@@ -199,3 +199,63 @@ def test_a_bad_rule_is_refused_with_a_sentence(tmp_path: Path, entry: str, says:
     twice = '[[shaping.rule]]\nname = "x"\nmatch = "y"\naction = "bounce"\n'
     with pytest.raises(ConfigError, match="is taken by an earlier rule"):
         settings(tmp_path, twice + twice)
+
+
+@pytest.mark.parametrize(
+    ("host", "reply"),
+    [
+        # The recipient's address, echoed, names a shipped rule's code.
+        (
+            "eur.olc.protection.outlook.com",
+            Reply(550, "5.1.10", "RESOLVER.ADR.RecipientNotFound; S3150@example.com not found"),
+        ),
+        (
+            "eur.olc.protection.outlook.com",
+            Reply(550, "5.7.1", "Delivery to <blocked-(S3150)@example.com> refused by policy"),
+        ),
+        # An IP address that holds an enhanced code.
+        (
+            "alt1.aspmx.l.google.com",
+            Reply(421, "4.7.0", "Try again later, closing connection [203.4.7.28]"),
+        ),
+        (
+            "example-com.mail.protection.outlook.com",
+            Reply(451, "4.4.0", "Primary target IP 10.4.7.650 responded with 421"),
+        ),
+        # The code in the text, not in the reply's code fields.
+        (
+            "mta7.am0.yahoodns.net",
+            Reply(554, "5.0.0", "Your message quoted '421 4.7.0 [TSS04]' back at us"),
+        ),
+    ],
+)
+def test_the_shipped_rules_do_not_take_what_a_reply_echoes(host: str, reply: Reply) -> None:
+    rules = shaping.compile_rules(ShapingSettings())
+    assert shaping.matching(rules, reply, host, "site:" + host) is None
+
+
+def test_a_reply_about_the_mailbox_is_never_taken_for_one_about_us(tmp_path: Path) -> None:
+    """An operator's suspend rule whose pattern a 5.1.1 (no such user) or a 4.2.2 (mailbox
+    full) also meets leaves those as they are; a bounce rule still applies to them."""
+    rules = shaping.compile_rules(settings(tmp_path, RULES))
+    unknown = Reply(550, "5.1.1", "No such user; 5.7.1 on our block list")
+    full = Reply(452, "4.2.2", "Mailbox full: account closed soon")
+    results = [result(unknown, Outcome.BOUNCED), result(full, Outcome.DEFERRED)]
+    out, actions = shaping.apply(results, rules, "site:x", NOW)
+    assert out[0] == results[0] and actions == []
+    assert out[1].outcome == Outcome.BOUNCED and "gone-for-good" in (out[1].rule or "")
+
+
+def test_a_recipient_a_rule_would_retry_after_its_max_age_expires_now(tmp_path: Path) -> None:
+    rules = shaping.compile_rules(settings(tmp_path, RULES))
+    blocked = Reply(550, "5.7.1", "Part of your network is on our block list (S3150)")
+    old, young = result(blocked, Outcome.BOUNCED), result(blocked, Outcome.BOUNCED)
+    expires = {
+        old.recipient_id: NOW + timedelta(minutes=5),
+        young.recipient_id: NOW + timedelta(days=5),
+    }
+    out, actions = shaping.apply([old, young], rules, "site:x", NOW, expires)
+    assert out[0].outcome == Outcome.EXPIRED and out[0].next_attempt_at is None
+    assert out[0].rule == "temporary; shaping blocked: suspend all for 10m; max-age"
+    assert out[1].outcome == Outcome.DEFERRED
+    assert len(actions) == 1  # the suspension is asked for all the same
