@@ -3,7 +3,9 @@ lane, for a while or until resumed (store/suspensions.py).
 
 A site is named as `queue` lists it: its MX host names ("mx1.example.net,mx2.example.net", in any
 order), `pattern:PATTERN` for a `[delivery.destination]` entry, `route:HOST:PORT` for a static
-route, or `relayhost`.
+route, or `relayhost`. `--site` with `--org` names that org's mail to the site: the key a
+reply's stated retry delay holds (`by: reply` in `queue`), which `resume` ends early, and which an
+operator may suspend as well.
 """
 
 from __future__ import annotations
@@ -35,15 +37,14 @@ def register(commands: Any) -> None:
     ):
         p = commands.add_parser(name, help=help_text)
         add_common(p)
-        which = p.add_mutually_exclusive_group(required=True)
-        which.add_argument(
+        p.add_argument(
             "--site",
             metavar="SITE",
             help="MX host names (a,b), pattern:PATTERN, route:HOST:PORT or relayhost",
         )
-        which.add_argument("--domain", metavar="D", help="a recipient domain")
-        which.add_argument("--org", metavar="ORG", help="an org")
-        which.add_argument("--lane", metavar="NAME", help="a lane")
+        p.add_argument("--domain", metavar="D", help="a recipient domain")
+        p.add_argument("--org", metavar="ORG", help="an org (with --site: its mail to the site)")
+        p.add_argument("--lane", metavar="NAME", help="a lane")
         if name == "suspend":
             p.add_argument(
                 "--for", dest="duration", metavar="DUR", help="for this long (e.g. 30m, 2h)"
@@ -65,6 +66,14 @@ def site_key(value: str) -> str:
 
 
 async def _key(conn: Any, settings: Settings, args: argparse.Namespace) -> str:
+    given = [n for n in ("site", "domain", "org", "lane") if getattr(args, n) is not None]
+    if given == ["site", "org"]:
+        return suspensions.hold_key(site_key(args.site), await org_named(conn, args.org))
+    if len(given) != 1:
+        raise CliError(
+            "name one of --site, --domain, --org or --lane (or --site with --org: that org's "
+            "mail to the site)"
+        )
     if args.site is not None:
         return site_key(args.site)
     if args.domain is not None:

@@ -113,9 +113,22 @@ def test_suspend_names_a_site_as_queue_lists_it_and_refuses_bad_input(db_url: st
         refused = run_pigeon("queue", "suspend", *args, env=env)
         assert refused.returncode == 1 and says in refused.stderr, (args, refused.stderr)
         assert "Traceback" not in refused.stderr
-    assert run_pigeon("queue", "suspend", env=env).returncode == 2  # which one: required
+    for args in ((), ("--org", "x", "--lane", "bulk"), ("--site", "relayhost", "--domain", "a.t")):
+        refused = run_pigeon("queue", "suspend", *args, env=env)
+        assert refused.returncode == 1 and "name one of --site" in refused.stderr, refused.stderr
     resumed = run_pigeon("queue", "resume", "--site", "mx1.example.net,mx2.example.net", env=env)
     assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(run_pigeon("queue", "--json", env=env).stdout)["suspensions"] == []
+    # One org's mail to one site: the key a stated retry delay holds, ended early by resume.
+    assert run_pigeon("org", "add", "holdco", env=env).returncode == 0
+    pair = ("--site", "relayhost", "--org", "holdco")
+    done = run_pigeon("queue", "suspend", *pair, "--for", "1h", "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    key = json.loads(done.stdout)["suspended"]
+    assert key.startswith("destination:relayhost|org:"), key
+    shown = json.loads(run_pigeon("queue", "--json", env=env).stdout)["suspensions"]
+    assert [s["key"] for s in shown] == [key]
+    assert run_pigeon("queue", "resume", *pair, env=env).returncode == 0
     assert json.loads(run_pigeon("queue", "--json", env=env).stdout)["suspensions"] == []
 
 
