@@ -205,10 +205,17 @@ BUDGET_COLUMNS = [
 def budget_row(b: store_budgets.BudgetState) -> dict[str, Any]:
     """A limited destination, lane or org: configured and effective limits, backoff state."""
     kind = b.key.split(":", 1)[0]
-    # A destination's key names a pattern entry, a site (its MX hosts) or a route.
-    if b.name.startswith("site:"):
-        kind = "site"
-    name = b.name.removeprefix("pattern:").removeprefix("mx:").removeprefix("site:")
+    name = b.name
+    source = store_budgets.DEFAULT_SOURCE
+    if b.key.startswith(store_budgets.DESTINATION):
+        # A destination's key names a pattern entry, a site (its MX hosts) or a route, as seen
+        # from an egress source.
+        source, name = store_budgets.source_and_site(b.key)
+        if name.startswith("site:"):
+            kind = "site"
+    name = name.removeprefix("pattern:").removeprefix("mx:").removeprefix("site:")
+    if source != store_budgets.DEFAULT_SOURCE:
+        name += f" from {source}"
     state = "ok"
     if b.parked_until is not None:
         state = f"parked, probe at {_clock(b.parked_until)}: {_short(b.parked_reason or '')}"

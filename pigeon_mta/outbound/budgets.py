@@ -42,7 +42,7 @@ from pigeon_mta.outbound.pool import ConnectionPool
 from pigeon_mta.outbound.shaping import Action
 from pigeon_mta.outbound.throttling import ThrottlingReports
 from pigeon_mta.store import budgets as store
-from pigeon_mta.store.budgets import DESTINATION, LANE, ORG, GrantRequest
+from pigeon_mta.store.budgets import LANE, ORG, GrantRequest
 from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.store.suspensions import hold_key
 
@@ -101,7 +101,7 @@ class Budgets:
     def needs(self, delivery: Delivery, policy: DestinationPolicy) -> tuple[Need, ...]:
         self._refresh_soon()
         needs: list[Need] = []
-        key = DESTINATION + policy.key
+        key = policy.budget_key
         configured = policy.rate > 0 or policy.cluster_concurrency > 0
         held_back = key in self._backing_off or key in self._capped
         if configured or held_back or key in self._parked:
@@ -353,14 +353,14 @@ class Budgets:
         process takes the destination's grants from the database. A retry delay it states
         holds the site for `org_id`'s mail."""
         self.throttling.throttled(policy, reply)
-        self._backing_off = self._backing_off | {DESTINATION + policy.key}
+        self._backing_off = self._backing_off | {policy.budget_key}
         if retry_after > 0:
             reason = f"the destination asked to retry in {retry_after:g} s ({reply})"
-            self.suspended.hold(hold_key(DESTINATION + policy.key, org_id), retry_after, reason)
+            self.suspended.hold(hold_key(policy.budget_key, org_id), retry_after, reason)
 
     def shaped(self, policy: DestinationPolicy, actions: Iterable[Action]) -> None:
         """What reply rules (outbound/shaping.py) decided for this destination, for the cluster."""
-        site = DESTINATION + policy.key
+        site = policy.budget_key
         for action in actions:
             rule = action.rule
             if rule.action == "suspend":

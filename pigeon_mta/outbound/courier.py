@@ -139,7 +139,7 @@ class Courier:
             )
         policy = policy_for(self.delivery, delivery.domain, route)
         if self.budgets is not None and delivery.site and delivery.site.startswith(DESTINATION):
-            if delivery.site != DESTINATION + policy.key:
+            if delivery.site != policy.budget_key:
                 # Its site's queue is not where this mail goes now: that site is not left
                 # parked for mail that no longer reaches it.
                 self.budgets.health.moved(delivery.site)
@@ -194,9 +194,9 @@ class Courier:
                 delay = stated_retry_delay(throttled.text) or 0.0
                 budgets.throttled(policy, throttled, delay, delivery.org_id)
             if outcome == "connection-error":
-                budgets.health.failed(policy.key, results[0].reply.text if results else "")
+                budgets.health.failed(policy.budget_key, results[0].reply.text if results else "")
             else:
-                budgets.health.healthy(policy.key)
+                budgets.health.healthy(policy.budget_key)
         return results
 
     async def _enter(

@@ -8,7 +8,6 @@ from __future__ import annotations
 from pigeon_mta.model import Delivery
 from pigeon_mta.outbound.limits import DestinationPolicy
 from pigeon_mta.outbound.throttling import ThrottlingReports
-from pigeon_mta.store.budgets import DESTINATION
 from pigeon_mta.store.suspensions import DOMAIN, LANE, ORG, hold_key
 
 
@@ -23,7 +22,7 @@ class Suspended:
         lasts) and its note."""
         if not self.notes:
             return None
-        site = DESTINATION + policy.key
+        site = policy.budget_key
         hold = hold_key(site, delivery.org_id)
         for key, queue in (
             (site, site),

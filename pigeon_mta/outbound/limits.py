@@ -23,6 +23,7 @@ from pigeon_mta.config import DeliverySettings, DestinationSettings, TlsPolicy
 from pigeon_mta.outbound import adaptive
 from pigeon_mta.outbound.adaptive import AimdPolicy
 from pigeon_mta.outbound.mx import Route
+from pigeon_mta.store.budgets import DEFAULT_SOURCE, site_budget_key
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,14 @@ class DestinationPolicy:
     # per-process `concurrency` applies instead).
     cluster_concurrency: int
     max_messages_per_connection: int
+    # The egress source it leaves from (store/budgets.py): its budget is the (source, site)'s.
+    source: str = DEFAULT_SOURCE
+
+    @property
+    def budget_key(self) -> str:
+        """The cluster budget of this (source, site): rates, sessions, backoff, parking and
+        suspensions are kept under it."""
+        return site_budget_key(self.source, self.key)
 
 
 def policy_for(delivery: DeliverySettings, domain: str, route: Route) -> DestinationPolicy:

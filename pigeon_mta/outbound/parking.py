@@ -20,7 +20,7 @@ import asyncpg
 
 from pigeon_mta.config import Settings
 from pigeon_mta.store import budgets as store
-from pigeon_mta.store.budgets import DESTINATION, Connections
+from pigeon_mta.store.budgets import Connections
 from pigeon_mta.store.connect import DB_ERRORS
 
 log = logging.getLogger(__name__)
@@ -46,16 +46,15 @@ class SiteHealth:
         self._pending: dict[str, _Pending] = {}
         self._reporter: asyncio.Task[None] | None = None
 
-    def failed(self, policy_key: str, reason: str) -> None:
+    def failed(self, key: str, reason: str) -> None:
         if self.delivery.park_after <= 0:
             return
-        pending = self._pending.setdefault(DESTINATION + policy_key, _Pending())
+        pending = self._pending.setdefault(key, _Pending())
         pending.failed += 1
         pending.reason = reason
         self._schedule()
 
-    def healthy(self, policy_key: str) -> None:
-        key = DESTINATION + policy_key
+    def healthy(self, key: str) -> None:
         if key not in self.failing and key not in self._pending:
             return
         self._pending[key] = _Pending(healthy=True)

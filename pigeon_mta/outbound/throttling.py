@@ -29,7 +29,7 @@ from pigeon_mta.outbound.limits import DestinationPolicy
 from pigeon_mta.plain import plain_text
 from pigeon_mta.store import budgets as store
 from pigeon_mta.store import suspensions
-from pigeon_mta.store.budgets import DESTINATION, Limit, Throttling
+from pigeon_mta.store.budgets import Limit, Throttling
 from pigeon_mta.store.connect import DB_ERRORS
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class ThrottlingReports:
 
     def throttled(self, policy: DestinationPolicy, reply: Reply) -> None:
         """Report a throttling reply from this destination (in a batch, at once)."""
-        key = DESTINATION + policy.key
+        key = policy.budget_key
         configured = policy.rate > 0 or policy.cluster_concurrency > 0
         DESTINATION_THROTTLING.labels(destination=key if configured else "other").inc()
         traffic = self._traffic.get(policy.key) or _Traffic()

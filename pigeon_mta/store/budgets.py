@@ -26,6 +26,29 @@ DESTINATION = "destination:"
 LANE = "lane:"
 ORG = "org:"
 
+# The egress source mail leaves from (its IP addresses and their reputation). A site's budget
+# is one per (source, site): a server limits what it takes from each sending IP, and a
+# throttling reply to one source says nothing of another's. One source today; the default
+# source's keys are written without it (`destination:SITE`), so that keys stay as they were.
+DEFAULT_SOURCE = "default"
+_SOURCE = "source:"
+
+
+def site_budget_key(source: str, site: str) -> str:
+    """The budget key of `site` (a destination policy's key) as seen from `source`."""
+    if source == DEFAULT_SOURCE:
+        return DESTINATION + site
+    return f"{DESTINATION}{_SOURCE}{source}/{site}"
+
+
+def source_and_site(key: str) -> tuple[str, str]:
+    """A site budget key's (source, site); the inverse of `site_budget_key`."""
+    rest = key.removeprefix(DESTINATION)
+    if rest.startswith(_SOURCE) and "/" in rest:
+        source, site = rest.removeprefix(_SOURCE).split("/", 1)
+        return source, site
+    return DEFAULT_SOURCE, rest
+
 
 @dataclass(frozen=True)
 class GrantRequest:

@@ -137,3 +137,23 @@ def test_a_site_of_five_long_host_names_has_a_bounded_key() -> None:
     assert key == shuffled
     other = policy_for(DeliverySettings(), "z.example", route("z.example", *hosts[:4])).key
     assert other != key
+
+
+def test_a_sites_budget_key_is_per_source_and_the_default_sources_is_unchanged() -> None:
+    """The budget of a (source, site): the default source's keys are as they always were, so
+    budgets, suspensions and site queues written before keep their meaning; another source's
+    site is another budget, and each key reads back as its pair."""
+    from pigeon_mta.outbound.limits import DestinationPolicy
+    from pigeon_mta.store.budgets import DEFAULT_SOURCE, site_budget_key, source_and_site
+
+    site = "site:mx1.example.net,mx2.example.net"
+    policy = DestinationPolicy(site, "opportunistic", 10, 0.0, 0, 0, 100)
+    assert policy.budget_key == "destination:" + site == site_budget_key(DEFAULT_SOURCE, site)
+    other = DestinationPolicy(site, "opportunistic", 10, 0.0, 0, 0, 100, source="pool-b")
+    assert other.budget_key != policy.budget_key
+    for key, pair in (
+        (policy.budget_key, (DEFAULT_SOURCE, site)),
+        (other.budget_key, ("pool-b", site)),
+        ("destination:route:127.0.0.2:2525", (DEFAULT_SOURCE, "route:127.0.0.2:2525")),
+    ):
+        assert source_and_site(key) == pair
