@@ -267,8 +267,6 @@ class Budgets:
             holder=self.holder,
             lease=self.delivery.lease,
             horizon=BOOKING_HORIZON,
-            step=self.delivery.backoff_step,
-            quiet=self.delivery.backoff_quiet,
             stale=STALE_AFTER,
         )
         for key, grant in grants.items():

@@ -27,10 +27,10 @@ from pigeon_mta.metrics import DESTINATION_THROTTLING
 from pigeon_mta.model import Reply
 from pigeon_mta.outbound.limits import DestinationPolicy
 from pigeon_mta.plain import plain_text
-from pigeon_mta.store import budgets as store
+from pigeon_mta.store import controls as store
 from pigeon_mta.store import suspensions
-from pigeon_mta.store.budgets import Limit, Throttling
 from pigeon_mta.store.connect import DB_ERRORS
+from pigeon_mta.store.controls import Limit, Throttling
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,9 @@ destination backs off after throttling replies). Engines never take one token or
 time: `take_grants` serves every key a claim round needs in one call of `budget_take`, and what an
 engine holds it keeps in memory (outbound/budgets.py). Slots are leased to their holder (the
 engine's `<node>/<run>`): a holder that dies stops blocking the destination when its lease ends.
-Budgets are cross-tenant by design (a destination's budget serves every org).
+Budgets are cross-tenant by design (a destination's budget serves every org). How a site's
+effective values follow its replies (backoff, recovery, reply rules' limits) is the site
+controller's (pigeon_mta/site_control.py, driven by store/controls.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from datetime import datetime
 
 import asyncpg
 
+from pigeon_mta.store.controls import recover_budgets
 from pigeon_mta.store.executor import Executor
 
 # Every key of a budget starts with its kind.
@@ -83,8 +86,6 @@ async def take_grants(
     holder: str,
     lease: float,
     horizon: float,
-    step: float,
-    quiet: float,
     stale: float,
 ) -> dict[str, Grant]:
     """Tokens and slots for every requested budget, in one statement (budget_take). Mail handed
@@ -102,8 +103,9 @@ async def take_grants(
         holder,
         float(lease),
         float(horizon),
-        float(step),
-        float(quiet),
+        # No recovery in the statement (a quiet period of 0): the controller's, store/controls.py.
+        0.0,
+        0.0,
         float(stale),
     )
     return {
@@ -169,64 +171,6 @@ async def free_slots_of_gone_runs(db: Executor, node_name: str, run_owner: str) 
         run_owner,
     )
     return int(tag.rsplit(" ", 1)[-1])
-
-
-@dataclass(frozen=True)
-class Throttling:
-    """Throttling replies of one destination seen by one engine since its last report."""
-
-    key: str
-    holder: str  # the engine (budget_slot's holder): each adds its own traffic once per decrease
-    rate: float  # what the engine was sending there (messages per second, at least 1)
-    concurrency: int  # its sessions there (at least 1)
-    reply: str
-
-
-async def report_throttling(
-    db: Executor, reports: Sequence[Throttling], *, factor: float, hold: float
-) -> None:
-    """Lower each throttled destination's effective rate and concurrency by `factor` (floor 1)
-    for the whole cluster, at most once per `hold` seconds (budget_throttled, migration 0026):
-    from the rate in force, or for a destination without one, from what the engines that report
-    within the hold were sending, together. One report per key: the caller merges them."""
-    if not reports:
-        return
-    await db.execute(
-        "SELECT budget_throttled($1::text[], $2::text[], $3::float8[], $4::int[], $5::text[],"
-        " $6, $7)",
-        [r.key for r in reports],
-        [r.holder for r in reports],
-        [max(1.0, float(r.rate)) for r in reports],
-        [max(1, r.concurrency) for r in reports],
-        [r.reply for r in reports],
-        float(factor),
-        float(hold),
-    )
-
-
-@dataclass(frozen=True)
-class Limit:
-    """A reply rule's limit of one site (`[[shaping.rule]]` action rate or sessions)."""
-
-    key: str
-    rate: float  # messages a second at most (0: the rate unchanged)
-    sessions: int  # sessions at once at most (0: unchanged)
-    seconds: float  # for how long
-    reason: str
-
-
-async def limit_budgets(db: Executor, limits: Sequence[Limit]) -> None:
-    """Lower each site's effective rate or sessions for the cluster until its limit's time ends
-    (budget_limit, migration 0026), in key order (budget_take's lock order)."""
-    for limit in sorted(limits, key=lambda x: x.key):
-        await db.execute(
-            "SELECT budget_limit($1, $2, $3, $4, $5)",
-            limit.key,
-            float(limit.rate),
-            int(limit.sessions),
-            float(limit.seconds),
-            limit.reason,
-        )
 
 
 @dataclass(frozen=True)
@@ -337,10 +281,11 @@ class InForce:
     suspended: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-async def budgets_in_force(db: Executor, *, step: float, quiet: float) -> InForce:
-    """What `InForce` says, read after the recovery of every budget backing off is applied (one
-    statement; each engine makes it once a second while it delivers)."""
-    rows = await db.fetch("SELECT * FROM budget_in_force($1, $2)", float(step), float(quiet))
+async def budgets_in_force(db: asyncpg.Pool, *, step: float, quiet: float) -> InForce:
+    """What `InForce` says, read after the controller's recovery of every budget backing off or
+    capped (store/controls.py); each engine reads it once a second while it delivers."""
+    await recover_budgets(db, step=step, quiet=quiet)
+    rows = await db.fetch("SELECT * FROM budget_in_force($1, 0)", float(step))
     return InForce(
         org_rates={uuid.UUID(r["key"]): r["rate"] for r in rows if r["kind"] == "org"},
         backing_off=frozenset(r["key"] for r in rows if r["kind"] == "backoff"),

@@ -12,8 +12,8 @@ import pytest
 
 from pigeon_mta.config import Settings
 from pigeon_mta.outbound.throttling import ThrottlingReports
-from pigeon_mta.store import budgets, suspensions
-from pigeon_mta.store.budgets import Limit, Throttling
+from pigeon_mta.store import budgets, controls, suspensions
+from pigeon_mta.store.controls import Limit, Throttling
 
 KEY = "destination:site:mx.busy.test"
 
@@ -33,13 +33,13 @@ async def test_a_throttling_reply_after_a_recovery_step_is_a_new_decrease(
     throttles us again from another engine: a new decrease from the 50 in force (to 25), not an
     addition to the first decrease's reports (80 + 50 halved: a raise to 65), although the
     recovery step just wrote the budget."""
-    await budgets.report_throttling(pool, [throttled("n1/r#1", 80, 12)], factor=0.5, hold=0.2)
+    await controls.report_throttling(pool, [throttled("n1/r#1", 80, 12)], factor=0.5, hold=0.2)
     await asyncio.sleep(0.35)
     await budgets.budgets_in_force(pool, step=0.125, quiet=0.3)
     row = await budget(pool)
     stepped = row["effective_rate"]  # 50 after one quiet period, 60 after two on a slow host
     assert row["backoff"] and 40 < stepped < 80
-    await budgets.report_throttling(pool, [throttled("n2/r#1", stepped, 7)], factor=0.5, hold=0.2)
+    await controls.report_throttling(pool, [throttled("n2/r#1", stepped, 7)], factor=0.5, hold=0.2)
     row = await budget(pool)
     assert row["backoff"] and row["effective_rate"] == stepped / 2
     assert list(row["reporters"]) == ["n2/r#1"]
@@ -50,9 +50,9 @@ async def test_under_a_rules_limit_a_throttling_reply_never_raises_the_rate(
 ) -> None:
     """Within one decrease's hold a second engine's report adds what it sent; but a rule's limit
     set meanwhile (2/s, 1 session) stands: the addition lowers, never raises."""
-    await budgets.report_throttling(pool, [throttled("n1/r#1", 80, 12)], factor=0.5, hold=5)
-    await budgets.limit_budgets(pool, [Limit(KEY, rate=2, sessions=1, seconds=5, reason="r")])
-    await budgets.report_throttling(pool, [throttled("n2/r#1", 40, 4)], factor=0.5, hold=5)
+    await controls.report_throttling(pool, [throttled("n1/r#1", 80, 12)], factor=0.5, hold=5)
+    await controls.limit_budgets(pool, [Limit(KEY, rate=2, sessions=1, seconds=5, reason="r")])
+    await controls.report_throttling(pool, [throttled("n2/r#1", 40, 4)], factor=0.5, hold=5)
     row = await budget(pool)
     assert (row["effective_rate"], row["effective_concurrency"]) == (2, 1)
 
@@ -63,13 +63,13 @@ async def test_a_decrease_under_a_rules_limit_does_not_make_the_limit_the_target
     """A site capped at 80/s where it throttled us gets a rule's limit of 1/s, and a throttling
     reply while it lasts: when the limit ends it recovers to 80, not to 1. A site that never
     throttled us before ends unlimited."""
-    await budgets.report_throttling(pool, [throttled("n1/r#1", 80, 12)], factor=0.5, hold=0.1)
+    await controls.report_throttling(pool, [throttled("n1/r#1", 80, 12)], factor=0.5, hold=0.1)
     await asyncio.sleep(0.35)
     await budgets.budgets_in_force(pool, step=1.0, quiet=0.3)
     other = "destination:site:mx.fresh.test"
     limits = [Limit(k, rate=1, sessions=1, seconds=2, reason="r") for k in (KEY, other)]
-    await budgets.limit_budgets(pool, limits)
-    await budgets.report_throttling(
+    await controls.limit_budgets(pool, limits)
+    await controls.report_throttling(
         pool,
         [throttled("n1/r#1", 1, 1), Throttling(other, "n1/r#1", 1, 1, "421 4.7.0 slow down")],
         factor=0.5,
@@ -124,13 +124,18 @@ async def test_a_hold_replaces_an_ended_suspension_but_never_one_until_resumed(
 async def test_reports_the_database_refused_are_kept_and_sent_again(
     pool: asyncpg.Pool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The limits statement fails (its function is missing for a moment): the hold reported in
-    the same round is stored all the same, and the limit, kept, is stored once the database
+    """The database refuses every write of a budget for a moment (a trigger): the hold reported
+    in the same round is stored all the same, and the limit, kept, is stored once the database
     takes it again. Two limits of one site before that are merged: the lower rate, the lower
     sessions, the longer time."""
     reports = ThrottlingReports(Settings(), pool, "n1/r#1")
     hold = f"{KEY}|org:00000000-0000-0000-0000-000000000001"
-    await pool.execute("ALTER FUNCTION budget_limit RENAME TO budget_limit_away")
+    await pool.execute(
+        """CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN RAISE EXCEPTION 'budgets are read-only for a moment'; END $$;
+           CREATE TRIGGER refuse BEFORE INSERT OR UPDATE ON budget
+           FOR EACH ROW EXECUTE FUNCTION refuse()"""
+    )
     try:
         with caplog.at_level(logging.WARNING, "pigeon_mta.outbound.throttling"):
             reports.limit(KEY, 5, 0, 60, "rule a")
@@ -144,7 +149,7 @@ async def test_reports_the_database_refused_are_kept_and_sent_again(
         assert await pool.fetchval("SELECT count(*) FROM suspension WHERE key = $1", hold) == 1
         assert await pool.fetchval("SELECT count(*) FROM budget WHERE key = $1", KEY) == 0
     finally:
-        await pool.execute("ALTER FUNCTION budget_limit_away RENAME TO budget_limit")
+        await pool.execute("DROP TRIGGER refuse ON budget")
     row = None
     for _ in range(200):
         row = await budget(pool)

@@ -10,8 +10,9 @@ from pigeon_mta.config import Settings
 from pigeon_mta.model import Reply
 from pigeon_mta.outbound.limits import DestinationPolicy
 from pigeon_mta.outbound.throttling import ThrottlingReports
-from pigeon_mta.store import budgets
-from pigeon_mta.store.budgets import GrantRequest, Throttling
+from pigeon_mta.store import budgets, controls
+from pigeon_mta.store.budgets import GrantRequest
+from pigeon_mta.store.controls import Throttling
 from pigeon_mta.store.orgs import ensure_org
 from tests.integration.queue_helpers import bulk_queue
 
@@ -27,8 +28,10 @@ def request(
 async def take(
     pool: asyncpg.Pool, holder: str, *requests: GrantRequest, lease: float = 60, quiet: float = 30
 ) -> dict[str, budgets.Grant]:
+    """A grant round as an engine makes it, after the recovery it applies once a second."""
+    await controls.recover_budgets(pool, step=0.5, quiet=quiet)
     return await budgets.take_grants(
-        pool, requests, holder=holder, lease=lease, horizon=60, step=0.5, quiet=quiet, stale=30
+        pool, requests, holder=holder, lease=lease, horizon=60, stale=30
     )
 
 
@@ -63,8 +66,8 @@ async def test_throttling_halves_the_budget_once_per_overload_and_it_recovers_in
     await take(pool, "n1/r#1", request(tokens=1, slots=3))
     reply = "421 4.7.0 Try again later"
     report = Throttling(KEY, "n1/r#1", rate=10, concurrency=3, reply=reply)
-    await budgets.report_throttling(pool, [report], factor=0.5, hold=1.0)
-    await budgets.report_throttling(pool, [report], factor=0.5, hold=1.0)  # the same overload
+    await controls.report_throttling(pool, [report], factor=0.5, hold=1.0)
+    await controls.report_throttling(pool, [report], factor=0.5, hold=1.0)  # the same overload
     grant = (await take(pool, "n1/r#1", request(), quiet=0.3))[KEY]
     assert (grant.effective_rate, grant.effective_concurrency) == (5, 1)
     # The slots held beyond the lowered concurrency are taken back at the next renewal.
@@ -97,16 +100,16 @@ async def test_a_destination_without_limits_backs_off_from_what_the_cluster_was_
     key = "destination:mx:busy.test"
     first = Throttling(key, "n1/r#1", rate=80, concurrency=12, reply="421 try again later")
     second = Throttling(key, "n2/r#1", rate=40, concurrency=4, reply="421 try again later")
-    await budgets.report_throttling(pool, [first], factor=0.5, hold=1.0)
-    await budgets.report_throttling(pool, [second], factor=0.5, hold=1.0)
-    await budgets.report_throttling(pool, [first], factor=0.5, hold=1.0)
+    await controls.report_throttling(pool, [first], factor=0.5, hold=1.0)
+    await controls.report_throttling(pool, [second], factor=0.5, hold=1.0)
+    await controls.report_throttling(pool, [first], factor=0.5, hold=1.0)
     in_force = await budgets.budgets_in_force(pool, step=0.1, quiet=30)
     assert key in in_force.backing_off
     grant = (await take(pool, "n1/r#1", GrantRequest(key, 0, 0, 1, tokens=3, slots=3)))[key]
     assert (grant.effective_rate, grant.effective_concurrency) == (60, 8)
     # The next overload (after the hold) halves the rate in force, whoever reports it.
     await asyncio.sleep(1.05)
-    await budgets.report_throttling(pool, [second], factor=0.5, hold=1.0)
+    await controls.report_throttling(pool, [second], factor=0.5, hold=1.0)
     grant = (await take(pool, "n1/r#1", GrantRequest(key, 0, 0, 1, tokens=1, slots=0)))[key]
     assert (grant.effective_rate, grant.effective_concurrency) == (30, 4)
 
@@ -141,8 +144,6 @@ async def test_callers_that_queue_for_the_row_never_get_more_than_the_rate(
                 holder=f"n{i}/r#1",
                 lease=60,
                 horizon=60,
-                step=0.5,
-                quiet=30,
                 stale=30,
             )
             granted[i] += grant[KEY].tokens
@@ -199,7 +200,7 @@ async def test_a_destination_without_limits_recovers_to_what_it_took_not_to_unli
     configured."""
     key = "destination:site:mx.busy.test"
     report = Throttling(key, "n1/r#1", rate=80, concurrency=12, reply="421 4.7.0 slow down")
-    await budgets.report_throttling(pool, [report], factor=0.5, hold=1.0)
+    await controls.report_throttling(pool, [report], factor=0.5, hold=1.0)
     await asyncio.sleep(0.35)
     # Recovered in steps of half (step 0.5 each quiet period of 0.3 s): 40 -> 80, 6 -> 12.
     grant = await take(pool, "n1/r#1", GrantRequest(key, 0, 0, 1, tokens=1, slots=1), quiet=0.3)
@@ -223,7 +224,7 @@ async def test_a_capped_destination_probes_upward_while_mail_waits_for_it(
     stays where it is."""
     key = "destination:site:mx.busy.test"
     report = Throttling(key, "n1/r#1", rate=80, concurrency=12, reply="421 4.7.0 slow down")
-    await budgets.report_throttling(pool, [report], factor=0.5, hold=1.0)
+    await controls.report_throttling(pool, [report], factor=0.5, hold=1.0)
     await asyncio.sleep(0.35)
     in_force = await budgets.budgets_in_force(pool, step=0.5, quiet=0.3)
     assert key in in_force.capped and in_force.capped
@@ -239,7 +240,7 @@ async def test_a_capped_destination_probes_upward_while_mail_waits_for_it(
     grant = await take(pool, "n1/r#1", GrantRequest(key, 0, 0, 1, tokens=1, slots=0), quiet=0.3)
     assert grant[key].effective_rate == 120
     # A throttling reply there decreases from the probed rate, and recovery stops at it.
-    await budgets.report_throttling(pool, [report], factor=0.5, hold=1.0)
+    await controls.report_throttling(pool, [report], factor=0.5, hold=1.0)
     listed = {b.key: b for b in await budgets.list_budgets(pool)}[key]
     assert listed.backoff and listed.effective_rate == 60
     assert await pool.fetchval("SELECT recover_rate FROM budget WHERE key = $1", key) == 120
@@ -252,8 +253,8 @@ async def test_a_rules_limit_holds_for_its_time_then_the_site_is_as_it_was(
     cluster, in backoff, until its time ends; a quiet period later it is unlimited again, not
     capped at the rule's rate."""
     key = "destination:site:mx.rules.test"
-    await budgets.limit_budgets(
-        pool, [budgets.Limit(key, rate=5, sessions=2, seconds=2, reason="rule x")]
+    await controls.limit_budgets(
+        pool, [controls.Limit(key, rate=5, sessions=2, seconds=2, reason="rule x")]
     )
     grant = await take(pool, "n1/r#1", GrantRequest(key, 0, 0, 1, tokens=1, slots=0), quiet=0.3)
     assert (grant[key].effective_rate, grant[key].effective_concurrency) == (5, 2)

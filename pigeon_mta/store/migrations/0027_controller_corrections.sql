@@ -15,6 +15,11 @@
 --    NULL for no cap), as the general claim does (store/leases.py, delivery.max_org_share): an org
 --    without room is passed over at every site, and what it picks at one site is off its room at
 --    the next. Each row names its org, so that the general claim takes what is left of the room.
+-- 5. The controller moves into the engines (pigeon_mta/site_control.py, pure; store/controls.py
+--    drives it under the row lock). This release's engines pass budget_take and budget_in_force a
+--    quiet period of 0, which recovers nothing here; budget_throttled, budget_limit and the
+--    recovery stay for nodes of the release before, which keep calling them during a rolling
+--    upgrade (the same arithmetic: a budget one of them recovered is not due for the other).
 
 ALTER TABLE budget ADD COLUMN decreased_at timestamptz;
 UPDATE budget SET decreased_at = throttled_at WHERE backoff;
@@ -86,7 +91,8 @@ BEGIN
 END
 $$;
 
--- As in migration 0026; the capped probe raises the recovery target with the rate (2 above).
+-- As in migration 0026; the capped probe raises the recovery target with the rate (2 above),
+-- and a quiet period of 0 recovers nothing (5 below).
 CREATE OR REPLACE FUNCTION budget_recover(p_keys text[], p_step double precision,
                                           p_quiet double precision)
 RETURNS void LANGUAGE sql AS $$
@@ -98,7 +104,7 @@ WITH due AS (
            CASE WHEN b.rate > 0 THEN b.rate ELSE b.recover_rate END AS to_rate,
            CASE WHEN b.concurrency > 0 THEN b.concurrency ELSE b.recover_concurrency END AS to_conc
     FROM budget b
-    WHERE b.backoff AND (p_keys IS NULL OR b.key = ANY (p_keys))
+    WHERE b.backoff AND p_quiet > 0 AND (p_keys IS NULL OR b.key = ANY (p_keys))
       AND greatest(b.changed_at, b.throttled_at, b.limited_until)
           <= now() - make_interval(secs => p_quiet)
     FOR UPDATE SKIP LOCKED
@@ -127,7 +133,7 @@ FROM stepped s WHERE b.key = s.key;
 
 WITH probe AS (
     SELECT b.key FROM budget b
-    WHERE b.capped AND NOT b.backoff AND b.rate <= 0 AND b.concurrency <= 0
+    WHERE b.capped AND NOT b.backoff AND b.rate <= 0 AND b.concurrency <= 0 AND p_quiet > 0
       AND (p_keys IS NULL OR b.key = ANY (p_keys))
       AND greatest(b.changed_at, b.throttled_at) <= now() - make_interval(secs => 2 * p_quiet)
       AND EXISTS (SELECT 1 FROM recipient r WHERE r.status = 'queued' AND r.site = b.key)
