@@ -190,6 +190,16 @@ class DeliveryEngine:
             self._reserved_by_org[org_id] = left
         else:
             del self._reserved_by_org[org_id]
+        self._freed(org_id, recipients)
+        self._room.set()
+
+    def _freed(self, org_id: uuid.UUID, n: int) -> None:
+        """`n` of an org's slots are free again: wake a claim that waits for room of a capped
+        org once the org is a few slots below its cap (not at every one)."""
+        now = self._org_taken(org_id)
+        mark = max(0, self._org_cap - self._org_step)
+        if now <= mark < now + n:
+            self._org_room.set()
 
     def _org_taken(self, org_id: uuid.UUID) -> int:
         """The engine's slots an org holds or has reserved."""
@@ -307,6 +317,12 @@ class DeliveryEngine:
                 await self._room.wait()
                 continue
             want = min(delivery.batch_size, room)
+            org_room = {
+                o: self._org_cap - self._org_taken(o)
+                for o in self._by_org.keys() | self._reserved_by_org.keys()
+            }
+            # Cleared before the claim: a capped org's slots freed while it runs wake the next.
+            self._org_room.clear()
             try:
                 claimed = await store_leases.claim_due_recipients(
                     self.pool,
@@ -315,10 +331,7 @@ class DeliveryEngine:
                     batch=want,
                     lane_weights=self._lane_weights,
                     org_cap=self._org_cap,
-                    org_room={
-                        o: self._org_cap - self._org_taken(o)
-                        for o in self._by_org.keys() | self._reserved_by_org.keys()
-                    },
+                    org_room=org_room,
                 )
             except DB_ERRORS as exc:
                 log.warning("delivery engine cannot claim work: %s", exc)
@@ -333,13 +346,17 @@ class DeliveryEngine:
             deliveries = group_deliveries(claimed.rows, self._destination)
             self.claims.hold(deliveries, loop.time())
             self._start(deliveries)
+            if claimed.rows and len(claimed.rows) < want and self._org_limited(org_room, want):
+                # Short because an org's room ran out, not (perhaps) because nothing more is
+                # due: claim again at once. Each such claim takes at least one row; the first
+                # that takes none waits below.
+                continue
             if len(claimed.rows) < want:
                 # A site queue whose budget had no more room has some again this soon; an org
                 # at its cap, when a few of its deliveries are done.
                 wait = float(delivery.poll_interval)
                 if claimed.come_back is not None:
                     wait = min(wait, max(SITE_ROUND, claimed.come_back))
-                self._org_room.clear()
                 await self._idle(wait, self._org_room if self._capped() else None)
                 # Woken (by new mail, most likely): let what is being queued right now join
                 # this claim instead of costing one each.
@@ -349,6 +366,10 @@ class DeliveryEngine:
         if seconds > 0 and not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), seconds)
+
+    def _org_limited(self, org_room: dict[uuid.UUID, int], want: int) -> bool:
+        """Whether a claim of `want` may have been cut short by an org's room."""
+        return self._org_cap < want or any(n < want for n in org_room.values())
 
     def _capped(self) -> bool:
         """Whether an org holds its share of the engine (its due mail, if any, was left)."""
@@ -408,8 +429,7 @@ class DeliveryEngine:
             self._by_org[org] -= 1
             if self._by_org[org] <= 0:
                 del self._by_org[org]
-            if self._by_org.get(org, 0) == self._org_cap - self._org_step:
-                self._org_room.set()
+            self._freed(org, 1)
         self._room.set()
 
     # ------------------------------------------------------------ one delivery

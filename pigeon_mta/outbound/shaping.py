@@ -33,11 +33,17 @@ from pigeon_mta.outbound.classify import CLASSIFY_PREFIX
 RETRY_UNDER_LIMIT = 60.0
 # What a rule's reason quotes of the reply.
 QUOTED_REPLY = 200
-# What the server echoes of the message, each replaced before the rules read the reply.
+# What the server echoes of the message, each replaced before the rules read the reply. Each
+# starts only where a token does (the look-behinds), so that a hostile run of 4,000 characters
+# costs one pass, not one per character.
 _ECHOES = (
     (re.compile(r"<[^<>]{0,300}>"), "<>"),
-    (re.compile(r"[^\s<>\[\]()]{1,200}@[^\s<>\[\]()]{1,200}"), "ADDRESS"),
-    (re.compile(r"(?<![0-9.])[0-9]{1,3}(?:\.[0-9]{1,3}){3}(?![0-9.])"), "IP"),
+    (
+        re.compile(r"(?<![^\s<>\[\]()])[^\s<>\[\]()@]{1,200}@[^\s<>\[\]()]{1,200}"),
+        "ADDRESS",
+    ),
+    # Not inside a longer run of digits and dots ("10.4.7.650"), but at a sentence's end.
+    (re.compile(r"(?<![0-9])(?<![0-9]\.)[0-9]{1,3}(?:\.[0-9]{1,3}){3}(?![0-9]|\.[0-9])"), "IP"),
 )
 # Enhanced status classes about the recipient's mailbox (RFC 3463: X.1 address, X.2 mailbox).
 _ABOUT_THE_MAILBOX = re.compile(r"^[245]\.[12]\.")
@@ -88,14 +94,20 @@ def _compiled(rule: ShapingRuleSettings) -> Rule:
     )
 
 
-def matching(rules: Sequence[Rule], reply: Reply, host: str | None, site: str) -> Rule | None:
+def matching(
+    rules: Sequence[Rule], reply: Reply, host: str | None, site: str, text: str | None = None
+) -> Rule | None:
     """The first rule whose pattern matches the reply and whose sites name `host` (the MX host
-    that replied) or the site's key."""
+    that replied) or the site's key; for a reply about the mailbox, the first bounce rule.
+    `text`: the reply's `reply_text`, when the caller has it."""
     if not rules:
         return None
-    text = reply_text(reply)
+    text = reply_text(reply) if text is None else text
+    about_the_mailbox = bool(_ABOUT_THE_MAILBOX.match(reply.enhanced_code or ""))
     names = [n for n in ((host or "").lower(), site.lower()) if n]
     for rule in rules:
+        if about_the_mailbox and rule.action != "bounce":
+            continue
         if rule.sites and not any(fnmatch.fnmatchcase(n, s) for s in rule.sites for n in names):
             continue
         if rule.pattern.search(text):
@@ -127,14 +139,15 @@ def apply(
         return list(results), []
     out: list[AttemptResult] = []
     actions: dict[tuple[str, uuid.UUID], Action] = {}
+    texts: dict[Reply, str] = {}  # a transaction's recipients mostly share one reply
     for result in results:
         if result.outcome not in (Outcome.DEFERRED, Outcome.BOUNCED):
             out.append(result)
             continue
-        rule = matching(rules, result.reply, result.mx_host, site)
-        if rule is not None and rule.action != "bounce":
-            if _ABOUT_THE_MAILBOX.match(result.reply.enhanced_code or ""):
-                rule = None
+        text = texts.get(result.reply)
+        if text is None:
+            text = texts[result.reply] = reply_text(result.reply)
+        rule = matching(rules, result.reply, result.mx_host, site, text)
         if rule is None:
             out.append(result)
             continue

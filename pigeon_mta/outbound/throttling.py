@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from pigeon_mta.store import controls as store
 from pigeon_mta.store import suspensions
 from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.store.controls import Limit, Throttling
+from pigeon_mta.store.errors import is_about_the_values
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ DECREASE_HOLD = 1.0
 REPORT_WINDOW = 0.005
 # A report the database refused is tried again, after a wait that doubles up to this.
 RETRY_MAX = 5.0
+# A throttling reply not reported within this many seconds is dropped, not reported late.
+STALE_REPORT = 10.0
 # What a report keeps of the reply it quotes.
 MAX_REASON = 500
 # Destinations whose traffic is remembered before the record starts over.
@@ -70,9 +74,10 @@ class ThrottlingReports:
         self.pool = pool
         self.holder = holder
         self._traffic: dict[str, _Traffic] = {}
-        self._reports: dict[str, Throttling] = {}
-        self._holds: dict[str, tuple[float, str]] = {}  # hold key: (seconds, reason)
-        self._limits: dict[str, Limit] = {}
+        # Each waits for the reporter with when it was seen (monotonic), or when it ends.
+        self._reports: dict[str, tuple[Throttling, float]] = {}
+        self._holds: dict[str, tuple[float, str]] = {}  # hold key: (until, reason)
+        self._limits: dict[str, tuple[Limit, float]] = {}  # site key: (limit, until)
         self._reporter: asyncio.Task[None] | None = None
 
     def sending(self, policy: DestinationPolicy) -> None:
@@ -97,14 +102,15 @@ class ThrottlingReports:
         configured = policy.rate > 0 or policy.cluster_concurrency > 0
         DESTINATION_THROTTLING.labels(destination=key if configured else "other").inc()
         traffic = self._traffic.get(policy.key) or _Traffic()
-        earlier = self._reports.get(key)
-        self._reports[key] = Throttling(
+        earlier = self._reports.get(key, (None, 0.0))[0]
+        report = Throttling(
             key,
             self.holder,
             max(traffic.rate, float(traffic.count), earlier.rate if earlier else 1.0),
             max(traffic.in_flight, earlier.concurrency if earlier else 1),
             plain_text(str(reply), MAX_REASON),
         )
+        self._reports[key] = (report, time.monotonic())
         self._report_soon()
 
     def hold(self, key: str, seconds: float, reason: str) -> None:
@@ -112,86 +118,95 @@ class ThrottlingReports:
         or a site's for all."""
         # The reason quotes the destination's reply: plain and bounded, storable whatever bytes
         # the reply held.
-        self._add_hold(key, seconds, plain_text(reason, MAX_REASON))
+        self._add_hold(key, time.monotonic() + seconds, plain_text(reason, MAX_REASON))
         self._report_soon()
 
-    def _add_hold(self, key: str, seconds: float, reason: str) -> None:
+    def _add_hold(self, key: str, until: float, reason: str) -> None:
         earlier = self._holds.get(key)
-        if earlier is None or seconds > earlier[0]:
-            self._holds[key] = (seconds, reason)
+        if earlier is None or until > earlier[0]:
+            self._holds[key] = (until, reason)
 
     def limit(self, key: str, rate: float, sessions: int, seconds: float, reason: str) -> None:
         """Report a reply rule's limit of a site's rate or sessions (0: unchanged), for
         `seconds`."""
-        self._add_limit(Limit(key, rate, sessions, seconds, plain_text(reason, MAX_REASON)))
+        limit = Limit(key, rate, sessions, seconds, plain_text(reason, MAX_REASON))
+        self._add_limit(limit, time.monotonic() + seconds)
         self._report_soon()
 
-    def _add_limit(self, limit: Limit) -> None:
+    def _add_limit(self, limit: Limit, until: float) -> None:
         """Two limits of one site before a report are one: the lower rate and sessions (of
-        those each sets), the longer time."""
+        those each sets), the later end."""
         earlier = self._limits.get(limit.key)
         if earlier is not None:
+            until = max(until, earlier[1])
             limit = Limit(
                 limit.key,
-                _lower(earlier.rate, limit.rate),
-                int(_lower(earlier.sessions, limit.sessions)),
-                max(earlier.seconds, limit.seconds),
+                _lower(earlier[0].rate, limit.rate),
+                int(_lower(earlier[0].sessions, limit.sessions)),
+                limit.seconds,
                 limit.reason,
             )
-        self._limits[limit.key] = limit
+        self._limits[limit.key] = (limit, until)
 
     def _report_soon(self) -> None:
         if self._reporter is None or self._reporter.done():
             self._reporter = asyncio.create_task(self._report(), name="budget-throttling")
 
     async def _report(self) -> None:
-        """Report what waits, each kind in its own statement; what the database refused is
-        kept (merged with what came since) and tried again after a growing wait, so that an
-        outage of the database loses no hold or limit."""
+        """Report what waits, each kind in its own statement. What the database refused for an
+        outage is kept (merged with what came since) and tried again after a growing wait, so
+        that an outage loses no hold or limit: each is sent for the time it has left, and a
+        throttling reply older than STALE_REPORT is dropped (the site may have recovered since).
+        What it refused for its values is dropped, with an error in the log."""
         wait = REPORT_WINDOW
         while self._reports or self._holds or self._limits:
             await asyncio.sleep(wait)
+            now = time.monotonic()
             refused = False
-            reports, self._reports = list(self._reports.values()), {}
+            waiting, self._reports = self._reports, {}
+            reports = [r for r, seen in waiting.values() if now - seen <= STALE_REPORT]
             if reports:
                 try:
                     await store.report_throttling(
-                        self.pool,
-                        reports,
-                        factor=self.delivery.backoff_factor,
-                        hold=DECREASE_HOLD,
+                        self.pool, reports, factor=self.delivery.backoff_factor, hold=DECREASE_HOLD
                     )
                 except DB_ERRORS as exc:
-                    refused = True
-                    log.warning("cannot report throttling replies (will retry): %s", exc)
-                    for report in reports:
-                        self._reports.setdefault(report.key, report)  # a newer one stands
+                    if _kept(exc, "throttling replies"):
+                        refused = True
+                        for key, item in waiting.items():
+                            self._reports.setdefault(key, item)  # a newer one stands
                 else:
                     for report in reports:
                         log.info("destination %s is throttling: %s", report.key, report.reply)
             holds, self._holds = self._holds, {}
-            if holds:
+            due = {k: (until - now, reason) for k, (until, reason) in holds.items() if until > now}
+            if due:
                 try:
-                    await suspensions.hold(self.pool, holds)
+                    await suspensions.hold(self.pool, due)
                 except DB_ERRORS as exc:
-                    refused = True
-                    log.warning("cannot store suspensions replies asked for (will retry): %s", exc)
-                    for key, (seconds, reason) in holds.items():
-                        self._add_hold(key, seconds, reason)
+                    if _kept(exc, "suspensions replies asked for"):
+                        refused = True
+                        for key, (until, reason) in holds.items():
+                            self._add_hold(key, until, reason)
                 else:
-                    for key, (seconds, reason) in holds.items():
+                    for key, (seconds, reason) in due.items():
                         log.info("%s suspended for %g s: %s", key, seconds, reason)
-            limits, self._limits = list(self._limits.values()), {}
-            if limits:
+            limits, self._limits = self._limits, {}
+            left = [
+                dataclasses.replace(limit, seconds=until - now)
+                for limit, until in limits.values()
+                if until > now
+            ]
+            if left:
                 try:
-                    await store.limit_budgets(self.pool, limits)
+                    await store.limit_budgets(self.pool, left)
                 except DB_ERRORS as exc:
-                    refused = True
-                    log.warning("cannot store reply rules' limits (will retry): %s", exc)
-                    for limit in limits:
-                        self._add_limit(limit)
+                    if _kept(exc, "reply rules' limits"):
+                        refused = True
+                        for limit, until in limits.values():
+                            self._add_limit(limit, until)
                 else:
-                    for limit in limits:
+                    for limit in left:
                         log.info("%s limited for %g s: %s", limit.key, limit.seconds, limit.reason)
             wait = min(RETRY_MAX, max(0.1, wait * 2)) if refused else REPORT_WINDOW
 
@@ -205,3 +220,13 @@ class ThrottlingReports:
 def _lower(a: float, b: float) -> float:
     """The lower of two limits, where 0 sets none."""
     return min(a, b) if a > 0 and b > 0 else max(a, b)
+
+
+def _kept(exc: BaseException, what: str) -> bool:
+    """Whether what the database refused is to be tried again: yes for an outage; no for
+    values it refuses, which it would refuse for ever."""
+    if is_about_the_values(exc):
+        log.error("cannot store %s, dropped: the database refuses them: %s", what, exc)
+        return False
+    log.warning("cannot store %s (will retry): %s", what, exc)
+    return True

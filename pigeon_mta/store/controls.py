@@ -47,14 +47,22 @@ INSERT INTO budget (key, tokens) SELECT k, 0 FROM unnest($1::text[]) AS k ORDER 
 ON CONFLICT (key) DO NOTHING
 """
 # `waiting`: mail in the site's queue (a capped site probes upward only then).
+_WAITING = "EXISTS (SELECT 1 FROM recipient r WHERE r.status = 'queued' AND r.site = b.key)"
 _LOCK = f"""
-SELECT b.key, {", ".join("b." + c for c in COLUMNS)},
-       b.capped AND EXISTS (SELECT 1 FROM recipient r
-                            WHERE r.status = 'queued' AND r.site = b.key) AS waiting
+SELECT b.key, {", ".join("b." + c for c in COLUMNS)}, b.capped AND {_WAITING} AS waiting
 FROM budget b
 WHERE {{where}}
 ORDER BY b.key
-FOR UPDATE OF b {{skip}}
+FOR NO KEY UPDATE OF b {{skip}}
+"""
+# The budgets whose recovery step or probe is due (site_control.recovered), and no other: the
+# rest are not locked at all, so that the site claim and the grants never wait for them.
+_DUE = f"""
+(b.backoff AND greatest(b.changed_at, b.throttled_at, b.limited_until)
+               <= now() - make_interval(secs => $1))
+OR (b.capped AND NOT b.backoff AND b.rate <= 0 AND b.concurrency <= 0
+    AND greatest(b.changed_at, b.throttled_at) <= now() - make_interval(secs => 2 * $1)
+    AND {_WAITING})
 """
 _WRITE = (
     "UPDATE budget SET "
@@ -67,16 +75,22 @@ Step = Callable[[str, SiteControl, datetime, bool], SiteControl]
 
 
 async def _drive(
-    pool: asyncpg.Pool, keys: Sequence[str] | None, step: Step, *, ensure: bool
+    pool: asyncpg.Pool,
+    keys: Sequence[str] | None,
+    step: Step,
+    *,
+    ensure: bool,
+    quiet: float = 0.0,
 ) -> None:
-    """Lock the budgets `keys` (None: every one backing off or capped, passing over those
-    another engine holds), apply `step` to each at the database's time, write what changed."""
+    """Lock the budgets `keys` (None: those whose recovery after `quiet` seconds is due,
+    passing over those another engine holds), apply `step` to each at the database's time,
+    write what changed."""
     if ensure and keys:
         await pool.execute(_ENSURE, sorted(keys))
     async with pool.acquire() as conn, conn.transaction():
         if keys is None:
-            query = _LOCK.format(where="b.backoff OR b.capped", skip="SKIP LOCKED")
-            rows = await conn.fetch(query)
+            query = _LOCK.format(where=_DUE, skip="SKIP LOCKED")
+            rows = await conn.fetch(query, float(quiet))
         else:
             query = _LOCK.format(where="b.key = ANY ($1::text[])", skip="")
             rows = await conn.fetch(query, sorted(keys))
@@ -143,4 +157,5 @@ async def recover_budgets(
             c, now, step=step, quiet=quiet, waiting=waiting
         ),
         ensure=False,
+        quiet=quiet,
     )

@@ -81,11 +81,12 @@ WITH RECURSIVE groups AS (
     FROM (SELECT DISTINCT lane, weight FROM due) l
 ), shares AS (
     -- `room`: what the engine has room for of the org ($9, $10; $8 for an org it holds none of),
-    -- less what the site queues gave of it; when it is less than the batch, split between the
-    -- org's lanes (the heavier first for what does not divide), so that no group takes what
-    -- another group of its org needs.
+    -- less what the site queues gave of it; when it is less than this claim's part of the batch,
+    -- split between the org's lanes (the heavier first for what does not divide), so that no
+    -- group takes what another group of its org needs (the engine claims again at once when a
+    -- lane left its part unused, outbound/engine.py).
     SELECT s.org_id, s.lane, s.turn, s.share,
-           CASE WHEN s.org_room >= $3::int THEN s.org_room
+           CASE WHEN s.org_room >= (SELECT n FROM batch) THEN s.org_room
                 ELSE s.org_room / s.org_lanes
                      + CASE WHEN s.lane_pick <= s.org_room % s.org_lanes THEN 1 ELSE 0 END
            END::int AS room
@@ -110,8 +111,12 @@ WITH RECURSIVE groups AS (
         ORDER BY next_attempt_at LIMIT least(s.share, s.room)
         FOR UPDATE SKIP LOCKED) x
     LIMIT (SELECT n FROM batch)
+), fair_taken AS (
+    SELECT org_id, lane, count(*)::int AS n FROM fair GROUP BY org_id, lane
 ), rest AS (
-    SELECT x.id FROM (SELECT * FROM shares ORDER BY turn) s
+    SELECT x.id FROM (
+        SELECT s.*, coalesce(t.n, 0) AS taken FROM shares s
+        LEFT JOIN fair_taken t USING (org_id, lane) ORDER BY s.turn) s
     CROSS JOIN LATERAL (
         SELECT id FROM recipient
         WHERE status = 'queued' AND org_id = s.org_id AND lane = s.lane
@@ -119,9 +124,7 @@ WITH RECURSIVE groups AS (
           AND id <> ALL (ARRAY (SELECT id FROM fair))
         -- The group's room less its fair rows: every row taken is kept, so the batch fills.
         ORDER BY next_attempt_at
-        LIMIT greatest(0, least($3::int, s.room - (SELECT count(*) FROM fair f
-                                                    WHERE f.org_id = s.org_id
-                                                      AND f.lane = s.lane)))
+        LIMIT greatest(0, least($3::int, s.room - s.taken))
         FOR UPDATE SKIP LOCKED) x
     LIMIT greatest(0, (SELECT n FROM batch) - (SELECT count(*) FROM fair))
 ), wake AS (

@@ -16,6 +16,7 @@ from pigeon_mta.store import budgets, controls, suspensions
 from pigeon_mta.store.controls import Limit, Throttling
 
 KEY = "destination:site:mx.busy.test"
+SHORT = "destination:site:mx.short.test"
 
 
 def throttled(holder: str, rate: float, sessions: int) -> Throttling:
@@ -126,8 +127,8 @@ async def test_reports_the_database_refused_are_kept_and_sent_again(
 ) -> None:
     """The database refuses every write of a budget for a moment (a trigger): the hold reported
     in the same round is stored all the same, and the limit, kept, is stored once the database
-    takes it again. Two limits of one site before that are merged: the lower rate, the lower
-    sessions, the longer time."""
+    takes it again, for the time it has left. Two limits of one site before that are merged:
+    the lower rate, the lower sessions, the later end."""
     reports = ThrottlingReports(Settings(), pool, "n1/r#1")
     hold = f"{KEY}|org:00000000-0000-0000-0000-000000000001"
     await pool.execute(
@@ -146,6 +147,9 @@ async def test_reports_the_database_refused_are_kept_and_sent_again(
                 await asyncio.sleep(0.02)
             assert "cannot store reply rules' limits (will retry)" in caplog.text
             reports.limit(KEY, 0, 3, 600, "rule b")
+            # One whose time ends during the outage is not stored late.
+            reports.limit(SHORT, 1, 0, 0.3, "rule c")
+            await asyncio.sleep(0.5)
         assert await pool.fetchval("SELECT count(*) FROM suspension WHERE key = $1", hold) == 1
         assert await pool.fetchval("SELECT count(*) FROM budget WHERE key = $1", KEY) == 0
     finally:
@@ -162,4 +166,5 @@ async def test_reports_the_database_refused_are_kept_and_sent_again(
         "SELECT extract(epoch FROM limited_until - now()) FROM budget WHERE key = $1", KEY
     )
     assert 500 < remaining <= 600
+    assert await pool.fetchval("SELECT count(*) FROM budget WHERE key = $1", SHORT) == 0
     await reports.close()

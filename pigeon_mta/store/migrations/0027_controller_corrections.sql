@@ -46,7 +46,9 @@ BEGIN
         SELECT * INTO b FROM budget u WHERE u.key = v.key FOR UPDATE;
         t := clock_timestamp();
         limited := coalesce(b.limited_until > t, false);
-        IF NOT (b.backoff AND b.decreased_at > t - make_interval(secs => p_hold)) THEN
+        -- (coalesce: a backoff a rule's limit began has no decrease, and NOT NULL is NULL)
+        IF NOT coalesce(b.backoff AND b.decreased_at > t - make_interval(secs => p_hold),
+                        false) THEN
             -- A new decrease: from the rate in force, or (none) from the reports.
             b.base_rate := greatest(0, b.effective_rate);
             b.base_concurrency := greatest(0, b.effective_concurrency);
@@ -246,6 +248,8 @@ BEGIN
                     SELECT r.id, r.org_id FROM recipient r
                     WHERE r.status = 'queued' AND r.site = s.site AND r.next_attempt_at <= t
                       AND NOT suspended(r.org_id, r.lane)
+                      AND coalesce(org_rooms[array_position(room_orgs, r.org_id)], p_room,
+                                   p_limit) > 0
                     ORDER BY r.site, r.org_id, r.lane, r.next_attempt_at LIMIT 1
                     FOR UPDATE SKIP LOCKED) x;
             IF FOUND THEN
@@ -335,19 +339,21 @@ BEGIN
                     ORDER BY r.next_attempt_at LIMIT least(sh.share, sh.group_room)
                     FOR UPDATE SKIP LOCKED) x
                 LIMIT room
+            ), fair_taken AS (
+                SELECT f.org_id, f.lane, count(*)::int AS taken FROM fair f
+                GROUP BY f.org_id, f.lane
             ), rest AS (
                 SELECT x.id, x.next_attempt_at, sh.org_id, sh.lane, sh.turn, sh.share
-                FROM (SELECT * FROM group_rooms ORDER BY turn) sh
+                FROM (SELECT g.*, coalesce(ft.taken, 0) AS taken FROM group_rooms g
+                      LEFT JOIN fair_taken ft ON ft.org_id = g.org_id AND ft.lane = g.lane
+                      ORDER BY g.turn) sh
                 CROSS JOIN LATERAL (
                     SELECT r.id, r.next_attempt_at FROM recipient r
                     WHERE r.status = 'queued' AND r.site = s.site AND r.org_id = sh.org_id
                       AND r.lane = sh.lane AND r.next_attempt_at <= t
                       AND r.id <> ALL (ARRAY (SELECT f.id FROM fair f))
                     ORDER BY r.next_attempt_at
-                    LIMIT greatest(0, least(room, sh.group_room
-                                                  - (SELECT count(*) FROM fair f
-                                                     WHERE f.org_id = sh.org_id
-                                                       AND f.lane = sh.lane)))
+                    LIMIT greatest(0, least(room, sh.group_room - sh.taken))
                     FOR UPDATE SKIP LOCKED) x
                 LIMIT greatest(0, room - (SELECT count(*) FROM fair))
             )
