@@ -37,6 +37,9 @@ from pathlib import Path
 import asyncpg
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from bench.e2e import write_config  # noqa: E402
+
 OUT = REPO / "bench" / "out"
 ADMIN_URL = os.environ.get(
     "PIGEON_BENCH_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -77,7 +80,8 @@ class Server:
 def start_server(db_url: str, processes: int, workdir: Path) -> Server:
     port = free_port()
     config = workdir / "pigeon.toml"
-    config.write_text(
+    write_config(
+        config,
         f"""
 [server]
 hostname = "bench.test"
@@ -97,7 +101,7 @@ listen = "127.0.0.1:{free_port()}"
 enabled = false  # accept rate alone (bench/e2e.py measures accept + delivery)
 [log]
 delivery_log = ""
-"""
+""",
     )
     OUT.mkdir(parents=True, exist_ok=True)
     log = OUT / "accept-serve.log"

@@ -56,6 +56,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def write_config(path: Path, text: str) -> Path:
+    """`text` as the serve's config at `path`. Without an [api] table it gets an API port of its
+    own: the default 127.0.0.1:8025 is one port for every serve on the host, and a serve whose
+    port another program holds does not start."""
+    if "[api]" not in text:
+        text = f'api.listen = "127.0.0.1:{free_port()}"\n' + text  # a dotted key, before tables
+    path.write_text(text)
+    return path
+
+
 def with_db(url: str, name: str) -> str:
     p = urlsplit(url)
     return urlunsplit((p.scheme, p.netloc, "/" + name, p.query, ""))
@@ -362,7 +372,8 @@ async def main() -> None:
     relay_port, sink_port, metrics_port = free_port(), free_port(), free_port()
     dns = await DnsServer().start() if args.route == "mx" else None
     config = work / "pigeon.toml"
-    config.write_text(
+    write_config(
+        config,
         f"""
 [server]
 hostname = "bench.test"
@@ -381,7 +392,7 @@ trusted_networks = ["127.0.0.0/8"]
 listen = "127.0.0.1:{metrics_port}"
 [log]
 delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
-"""
+""",
     )
     py = sys.executable
     pig = [py, "-m", "pigeon_mta"]

@@ -38,7 +38,7 @@ import asyncpg
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-
+from bench.e2e import write_config  # noqa: E402
 from pigeon_mta.model import Envelope  # noqa: E402
 from pigeon_mta.store import queue  # noqa: E402
 from pigeon_mta.store.migrate import migrate  # noqa: E402
@@ -250,7 +250,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         print(f"  queued in {time.monotonic() - t:.1f}s", flush=True)
 
         config = workdir / "pigeon.toml"
-        config.write_text(
+        write_config(
+            config,
             f"""listener = []
 [server]
 node_name = "bench"
@@ -270,7 +271,7 @@ destination_concurrency = {args.concurrency}
 max_connections_per_host = {args.concurrency}
 max_messages_per_connection = 1000
 batch_size = {args.batch}
-"""
+""",
         )
         serve = start_serve(config, args.processes, workdir / "serve.log")
         sink_cpu0 = sum(cpu_seconds(p.pid) for p in sinks if p.pid)

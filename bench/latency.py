@@ -54,6 +54,7 @@ from bench.e2e import (  # noqa: E402
     start_serve,
     stop_serve,
     with_db,
+    write_config,
 )
 from pigeon_mta.config import DeliverySettings  # noqa: E402
 from tests.peers.dns_server import DnsServer  # noqa: E402
@@ -453,7 +454,7 @@ async def main() -> None:
     try:
         side = start_far_side(build_link(work), destinations, rtt_ms)
         config = work / "pigeon.toml"
-        config.write_text(pigeon_config(args, work, db_url, ports, dns))
+        write_config(config, pigeon_config(args, work, db_url, ports, dns))
         pig = [sys.executable, "-m", "pigeon_mta"]
         run([*pig, "migrate", "--config", str(config)])
         run([*pig, "org", "add", "internal", "--config", str(config)])
@@ -461,11 +462,11 @@ async def main() -> None:
         processes = args.processes or os.cpu_count() or 1
         accept_rate = None
         if args.prefill:
-            config.write_text(pigeon_config(args, work, db_url, ports, dns, delivering=False))
+            write_config(config, pigeon_config(args, work, db_url, ports, dns, delivering=False))
             serve = await start_serve(config, work / "accept.log", processes)
             accept_rate = await prefill(args, destinations, ports["relay"])
             stop_serve(serve)
-            config.write_text(pigeon_config(args, work, db_url, ports, dns))
+            write_config(config, pigeon_config(args, work, db_url, ports, dns))
         serve = await start_serve(config, work / "serve.log", processes)
         conn = await asyncpg.connect(db_url)
         try:

@@ -29,7 +29,7 @@ import asyncpg
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.e2e import children, peak_rss_mb, with_db  # noqa: E402
+from bench.e2e import children, peak_rss_mb, with_db, write_config  # noqa: E402
 from pigeon_mta.store import leases  # noqa: E402
 from pigeon_mta.store.migrate import migrate  # noqa: E402
 from pigeon_mta.store.orgs import ensure_org  # noqa: E402
@@ -83,7 +83,8 @@ async def main() -> None:
         print(f"loaded {args.rows:,} not-due recipients in {time.monotonic() - loaded:.0f}s")
         before = await claim_latency_ms(conn)
         config = work / "pigeon.toml"
-        config.write_text(
+        write_config(
+            config,
             f"""[server]
 data_dir = "{work}"
 node_name = "memory-bench"
@@ -97,7 +98,7 @@ address = "127.0.0.1:{free_port()}"
 listen = "127.0.0.1:{free_port()}"
 [log]
 delivery_log = ""
-"""
+""",
         )
         log = open(work / "serve.log", "w")
         serve = subprocess.Popen(

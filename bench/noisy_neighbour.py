@@ -50,6 +50,7 @@ from bench.e2e import (  # noqa: E402
     start_serve,
     stop_serve,
     with_db,
+    write_config,
 )
 
 PASSWORD = "noisy-neighbour-password"
@@ -275,7 +276,7 @@ async def main() -> None:
     db_url = with_db(args.url, name)
     ports = {k: free_port() for k in ("relay", "submission", "bulk", "idle", "metrics")}
     config = work / "pigeon.toml"
-    config.write_text(config_text(args, work, db_url, ports))
+    write_config(config, config_text(args, work, db_url, ports))
     pig = [sys.executable, "-m", "pigeon_mta"]
     sink = ArrivalSink()
     idle = Controller(sink, hostname="127.0.0.3", port=ports["idle"])

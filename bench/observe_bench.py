@@ -33,7 +33,7 @@ import asyncpg
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-
+from bench.e2e import write_config  # noqa: E402
 from pigeon_mta.store.migrate import migrate  # noqa: E402
 from pigeon_mta.store.orgs import ensure_org  # noqa: E402
 from pigeon_mta.store.upkeep import queue_stats  # noqa: E402
@@ -114,11 +114,12 @@ def scrape_bench(url: str, processes: int, scrapes: int) -> None:
     work = Path(tempfile.mkdtemp(prefix="pigeon-observe-bench-"))
     port = free_port()
     config = work / "pigeon.toml"
-    config.write_text(
+    write_config(
+        config,
         f'listener = []\n[server]\ndata_dir = "{work}"\nnode_name = "observe-bench"\n'
         f'[database]\nurl = "{url}"\n[metrics]\nlisten = "127.0.0.1:{port}"\n'
         f'stats_interval = "1s"\n[delivery]\nrelayhost = "127.0.0.1:{free_port()}"\n'
-        '[log]\ndelivery_log = ""\nlevel = "warning"\n'
+        '[log]\ndelivery_log = ""\nlevel = "warning"\n',
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "PIGEON_LOG_LEVEL": ""}
     serve = subprocess.Popen(

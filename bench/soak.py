@@ -40,6 +40,7 @@ from bench.e2e import (  # noqa: E402
     smtp_session,
     stop_serve,
     with_db,
+    write_config,
 )
 
 
@@ -142,7 +143,8 @@ async def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="pigeon-soak-"))
     relay_port, sink_port = free_port(), free_port()
     config = work / "pigeon.toml"
-    config.write_text(
+    write_config(
+        config,
         f"""[server]
 hostname = "bench.test"
 data_dir = "{work}"
@@ -166,7 +168,7 @@ delay_warning_after = "{args.delay_warning_after}"
 listen = "127.0.0.1:{free_port()}"
 [log]
 delivery_log = "{work}/delivery.log"
-"""
+""",
     )
     pig = [sys.executable, "-m", "pigeon_mta"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -35,7 +35,7 @@ from aiosmtpd.controller import Controller
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.e2e import free_port, run, start_serve, stop_serve, with_db  # noqa: E402
+from bench.e2e import free_port, run, start_serve, stop_serve, with_db, write_config  # noqa: E402
 
 
 class ThrottlingSink:
@@ -150,7 +150,7 @@ async def main() -> None:
     sink_port = free_port()
     controller = Controller(sink, hostname="127.0.0.2", port=sink_port)
     config = work / "pigeon.toml"
-    config.write_text(config_text(work, db_url, sink_port, args.processes))
+    write_config(config, config_text(work, db_url, sink_port, args.processes))
     serve = None
     result: dict[str, object] = {}
     controller.start()

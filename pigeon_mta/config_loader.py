@@ -35,6 +35,7 @@ from pigeon_mta.config_values import nameserver_address
 
 ENV_CONFIG = "PIGEON_CONFIG"
 ENV_DATABASE_URL = "PIGEON_DATABASE_URL"
+ENV_DATA_DIR = "PIGEON_DATA_DIR"
 
 
 class ConfigError(Exception):
@@ -80,6 +81,11 @@ def load_settings(
     if url:
         settings = dataclasses.replace(
             settings, database=dataclasses.replace(settings.database, url=url)
+        )
+    data_dir = env.get(ENV_DATA_DIR, "")
+    if data_dir:
+        settings = dataclasses.replace(
+            settings, server=dataclasses.replace(settings.server, data_dir=data_dir)
         )
     settings = dataclasses.replace(settings, source=source)
     _check(settings)

@@ -12,11 +12,20 @@ from tests.e2e.serve_process import ServeProcess, write_config
 
 
 @pytest.mark.slow
-def test_serve_with_no_config_and_no_database_url_uses_the_embedded_database() -> None:
-    serve = ServeProcess("--processes", "1", drop_env=("PIGEON_CONFIG", "PIGEON_DATABASE_URL"))
+def test_serve_with_no_config_and_no_database_url_uses_the_embedded_database(
+    tmp_path: Path,
+) -> None:
+    """The quick start, in a data directory of the test's own ($PIGEON_DATA_DIR): the tests never
+    write the machine's default one, which a newcomer's `serve` then finds."""
+    serve = ServeProcess(
+        "--processes",
+        "1",
+        env={"PIGEON_DATA_DIR": str(tmp_path)},
+        drop_env=("PIGEON_CONFIG", "PIGEON_DATABASE_URL"),
+    )
     try:
         line = serve.wait_for("database: embedded PostgreSQL in", timeout=120)
-        assert "postgres" in line
+        assert str(tmp_path) in line, line
         serve.wait_for("worker 0 ready", timeout=60)
     finally:
         code = serve.stop(signal.SIGTERM)

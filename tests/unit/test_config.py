@@ -271,3 +271,13 @@ def test_api_mistakes_name_their_key(tmp_path: Path, text: str, expected: str) -
     with pytest.raises(ConfigError) as info:
         load_settings(write(tmp_path, text), env={})
     assert expected in str(info.value)
+
+
+def test_the_environment_names_the_data_directory(tmp_path: Path) -> None:
+    """$PIGEON_DATA_DIR overrides `[server] data_dir` (a container's volume, a test's own
+    directory), as $PIGEON_DATABASE_URL overrides the database."""
+    path = tmp_path / "pigeon.toml"
+    path.write_text('[server]\ndata_dir = "/srv/pigeon"\n')
+    assert load_settings(path, env={}).server.data_dir == "/srv/pigeon"
+    moved = load_settings(path, env={"PIGEON_DATA_DIR": str(tmp_path / "data")})
+    assert moved.server.data_dir == str(tmp_path / "data")
