@@ -11,6 +11,7 @@ request did.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import uuid
 from dataclasses import dataclass
@@ -35,7 +36,10 @@ class Idempotency:
     pool: asyncpg.Pool
     org_id: uuid.UUID
     key: str
-    request_hash: bytes  # of the method, path, query, content type and body
+    request_hash: bytes  # of the method, path, query, content type and body (parsed, for JSON)
+    # The same with the body byte for byte, as the release before stored it: a retry that
+    # straddles a node's upgrade is still the same request.
+    raw_hash: bytes = b""
 
     @classmethod
     def of(
@@ -53,8 +57,10 @@ class Idempotency:
         digest = hashlib.sha256()
         for part in (request.method, request.path, request.query_string, request.content_type):
             digest.update(part.encode("utf-8", "surrogateescape") + b"\0")
-        digest.update(body)
-        return cls(pool, org_id, value, digest.digest())
+        raw = digest.copy()
+        raw.update(body)
+        digest.update(_comparable(request.content_type, body))
+        return cls(pool, org_id, value, digest.digest(), raw.digest())
 
     async def earlier(self) -> web.Response | uuid.UUID | None:
         """The stored answer to an earlier use of the key, or the queue id of one not answered
@@ -93,7 +99,7 @@ class Idempotency:
     ) -> web.Response | uuid.UUID | None:
         if found is None:
             return None
-        if found.request_hash != self.request_hash:
+        if found.request_hash not in (self.request_hash, self.raw_hash):
             raise Problem(
                 problems.IDEMPOTENCY_KEY_REUSED,
                 f"The {HEADER} header was used within 24 hours for a request with another body "
@@ -108,3 +114,15 @@ def json_response(status: int, body: bytes) -> web.Response:
     response = web.Response(status=status, body=body)
     response.headers["Content-Type"] = JSON
     return response
+
+
+def _comparable(content_type: str, body: bytes) -> bytes:
+    """What two requests must share to be the same: a JSON body as parsed (its spacing and key
+    order are the client's library's, not the request's), any other body byte for byte."""
+    if content_type != "application/json":
+        return body
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return body  # refused as invalid JSON all the same
+    return json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()

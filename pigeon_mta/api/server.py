@@ -240,7 +240,10 @@ async def _problems(request: web.Request, handler: Handler) -> web.StreamRespons
             raise
         kind, detail = known
         path = request.path[:100]
-        return Problem(kind, detail.format(path=path, method=request.method)).response()
+        response = Problem(kind, detail.format(path=path, method=request.method)).response()
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            response.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+        return response
     except asyncio.CancelledError:
         raise
     except Exception:

@@ -379,3 +379,24 @@ async def test_a_reused_message_id_with_another_body_is_queued_through_the_api_t
     assert await pool.fetchval(
         "SELECT reuses FROM message WHERE id = $1", uuid.UUID(other)
     ) == uuid.UUID(first)
+
+
+async def test_an_idempotent_repeat_is_the_same_json_however_it_is_spaced(
+    api: Api, pool: asyncpg.Pool
+) -> None:
+    """The same request from another JSON library (other spacing, other key order) is a repeat,
+    answered with the first answer; a changed value is not."""
+    headers = {"Idempotency-Key": "spaced"}
+    first = await post(api, json.dumps(GOOD).encode(), headers=headers)
+    respaced = json.dumps(dict(reversed(list(GOOD.items()))), indent=4).encode()
+    again = await post(api, respaced, headers=headers)
+    assert first[0] == again[0] == 202 and first[2] == again[2]
+    assert await pool.fetchval("SELECT count(*) FROM message") == 1
+    changed = await post(api, _json(text="Thank you!"), headers=headers)
+    assert changed[0] == 422
+
+
+async def test_a_method_a_route_does_not_take_says_which_it_does(api: Api) -> None:
+    status, headers, body = await post(api, b"", method="PUT", path="/v1/messages")
+    assert status == 405 and json.loads(body)["type"] == TYPE_PREFIX + "method-not-allowed"
+    assert set(headers["Allow"].split(", ")) == {"GET", "HEAD", "POST"}
