@@ -24,6 +24,19 @@ DUPLICATE_RECIPIENTS = Counter(
     ["listener"],
 )
 
+# ---------------------------------------------------------------- HTTP API
+# `route` is a route's pattern ("/v1/messages/{queue_id}") or "other" (a path no route has), and
+# `method` one of HTTP's or "other": bounded sets, whatever clients send.
+API_REQUESTS = Counter(
+    "pigeon_api_requests", "HTTP API requests answered", ["route", "method", "status"]
+)
+API_REQUEST_SECONDS = Histogram(
+    "pigeon_api_request_seconds",
+    "Time from an HTTP API request's head to its answer",
+    ["route"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+
 # ---------------------------------------------------------------- queue (set by the stats query)
 # `lane` is a lane of [lanes], or one that queued mail still carries after the settings dropped
 # it: a bounded set the operator chooses.

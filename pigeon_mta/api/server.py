@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import asyncpg
@@ -33,7 +34,7 @@ from pigeon_mta.api.send import SendHandler
 from pigeon_mta.api.suppressions import SuppressionHandler
 from pigeon_mta.config import API_LISTENER, Settings
 from pigeon_mta.deliverylog import DeliveryLog
-from pigeon_mta.metrics import LISTENERS_BOUND
+from pigeon_mta.metrics import API_REQUEST_SECONDS, API_REQUESTS, LISTENERS_BOUND
 from pigeon_mta.plain import plain_text
 from pigeon_mta.store.group_commit import GroupCommit
 from pigeon_mta.web import WebServer
@@ -63,6 +64,7 @@ def build_app(
     app = web.Application(
         client_max_size=largest,
         middlewares=[
+            _measured,
             _problems,
             _storable_parameters,
             _body_after_key(authenticate, room, largest, settings.api.read_timeout),
@@ -196,6 +198,29 @@ async def _read_then_handle(
         ) from None
     request[_BODY_READ] = True
     return await handler(request)
+
+
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+@web.middleware
+async def _measured(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every answer counted by route, method and status, and timed by route."""
+    started = time.monotonic()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "other"
+        method = request.method if request.method in _METHODS else "other"
+        API_REQUESTS.labels(route=route, method=method, status=str(status)).inc()
+        API_REQUEST_SECONDS.labels(route=route).observe(time.monotonic() - started)
 
 
 @web.middleware

@@ -400,3 +400,33 @@ async def test_a_method_a_route_does_not_take_says_which_it_does(api: Api) -> No
     status, headers, body = await post(api, b"", method="PUT", path="/v1/messages")
     assert status == 405 and json.loads(body)["type"] == TYPE_PREFIX + "method-not-allowed"
     assert set(headers["Allow"].split(", ")) == {"GET", "HEAD", "POST"}
+
+
+async def test_every_answer_is_counted_by_route_method_and_status(api: Api) -> None:
+    """pigeon_api_requests_total{route,method,status}: the route's pattern, not the path (a
+    queue id would make a series per message), and "other" for a path or method no route
+    takes."""
+    from pigeon_mta.metrics import API_REQUEST_SECONDS, API_REQUESTS
+
+    def count(route: str, method: str, status: int) -> float:
+        sample = API_REQUESTS.labels(route=route, method=method, status=str(status))
+        return float(sample._value.get())  # type: ignore[attr-defined]
+
+    before = {
+        "sent": count("/v1/messages", "POST", 202),
+        "one": count("/v1/messages/{queue_id}", "GET", 404),
+        "nowhere": count("other", "GET", 404),
+        "odd": count("other", "other", 405),
+    }
+    assert (await post(api, GOOD))[0] == 202
+    missing = "/v1/messages/01900000-0000-7000-8000-000000000000"
+    assert (await post(api, b"", method="GET", path=missing))[0] == 404
+    assert (await post(api, b"", method="GET", path="/nowhere"))[0] == 404
+    frob = await post(api, b"", method="PROPFIND", path="/v1/messages")
+    assert frob[0] == 405, frob
+    assert count("/v1/messages", "POST", 202) == before["sent"] + 1
+    assert count("/v1/messages/{queue_id}", "GET", 404) == before["one"] + 1
+    assert count("other", "GET", 404) == before["nowhere"] + 1
+    assert count("other", "other", 405) == before["odd"] + 1
+    timed = API_REQUEST_SECONDS.labels(route="/v1/messages")
+    assert timed._sum.get() > 0  # type: ignore[attr-defined]
