@@ -70,6 +70,14 @@ _FIELD_NAME = re.compile(r"[!-9;-~]{1,76}")
 _MEDIA_TYPE = re.compile(
     r"[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,63}/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,63}"
 )
+# A media type's parameter (RFC 2045 5.1): a token, "=", a token or a quoted string (printable
+# ASCII, no quote or backslash inside).
+_PARAMETER = re.compile(
+    r"\s*([A-Za-z0-9!#$&^_.+-]{1,64})\s*=\s*"
+    r"(?:([A-Za-z0-9!#$%&'*+.^_`|~-]{1,200})|\"([ !#-\[\]-~]{0,200})\")\s*"
+)
+# What a base64 writer may wrap its lines with (Python's encodebytes, PHP's chunk_split).
+_BASE64_SPACE = str.maketrans("", "", " \t\r\n")
 
 
 @dataclass(frozen=True)
@@ -236,7 +244,9 @@ def _headers(value: object) -> list[tuple[str, str]]:
     return out
 
 
-def _attachments(request: Mapping[str, Any]) -> list[tuple[str, str, bytes]]:
+def _attachments(
+    request: Mapping[str, Any],
+) -> list[tuple[str, str, tuple[tuple[str, str], ...], bytes]]:
     value = request.get("attachments")
     if value is None:
         return []
@@ -256,23 +266,45 @@ def _attachments(request: Mapping[str, Any]) -> list[tuple[str, str, bytes]]:
         _check_value(filename, f"{where}.filename")
         if not filename:
             raise Problem(problems.INVALID_FIELD, f"The field '{where}.filename' is missing.")
-        content_type = _string(item, "content_type") or "application/octet-stream"
-        if not _MEDIA_TYPE.fullmatch(content_type):
-            raise Problem(
-                problems.INVALID_FIELD,
-                f"The field '{where}.content_type' is not a media type like application/pdf.",
-            )
+        content_type, parameters = _media_type(
+            _string(item, "content_type") or "application/octet-stream", f"{where}.content_type"
+        )
         encoded = _string(item, "content")
         if encoded is None:
             raise Problem(problems.INVALID_FIELD, f"The field '{where}.content' is missing.")
         try:
-            content = base64.b64decode(encoded, validate=True)
+            content = base64.b64decode(encoded.translate(_BASE64_SPACE), validate=True)
         except (binascii.Error, ValueError):
             raise Problem(
                 problems.INVALID_FIELD, f"The field '{where}.content' is not valid base64."
             ) from None
-        out.append((filename, content_type, content))
+        out.append((filename, content_type, parameters, content))
     return out
+
+
+def _media_type(value: str, field: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """ "type/subtype" and its parameters ("text/csv; charset=utf-8"), each checked."""
+    kind, _, rest = value.partition(";")
+    kind = kind.strip()
+    if not _MEDIA_TYPE.fullmatch(kind):
+        raise Problem(
+            problems.INVALID_FIELD,
+            f"The field '{field}' is not a media type like application/pdf.",
+        )
+    parameters: list[tuple[str, str]] = []
+    for item in rest.split(";"):
+        if not item.strip():
+            continue  # "text/csv;" and "a=b; ; c=d" as writers leave them
+        found = _PARAMETER.fullmatch(item)
+        if found is None or len(parameters) >= 8:
+            raise Problem(
+                problems.INVALID_FIELD,
+                f"The field '{field}' has a parameter that is not name=value "
+                "(a token, or a quoted string of printable ASCII), or more than 8.",
+            )
+        name, token, quoted = found.groups()
+        parameters.append((name.lower(), token if token is not None else quoted))
+    return kind, tuple(parameters)
 
 
 # ---------------------------------------------------------------- addresses

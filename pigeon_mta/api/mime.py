@@ -117,12 +117,17 @@ def _text_part(content: str, subtype: str, field: str) -> Message:
         ) from None
 
 
-def with_attachments(body: Message, attachments: list[tuple[str, str, bytes]]) -> Message:
+def with_attachments(
+    body: Message, attachments: list[tuple[str, str, tuple[tuple[str, str], ...], bytes]]
+) -> Message:
+    """`body` and each (filename, "type/subtype", its parameters, content) in multipart/mixed."""
     mixed = MIMEMultipart("mixed", policy=_WRITE)
     mixed.attach(body)
-    for filename, content_type, content in attachments:
+    for filename, content_type, parameters, content in attachments:
         maintype, subtype = content_type.split("/")
         part = MIMEBase(maintype, subtype, policy=_WRITE)
+        for name, value in parameters:
+            part.set_param(name, value)
         part.set_payload(content)
         encoders.encode_base64(part)
         if filename.isascii() and len(filename) <= _SHORT_FILENAME:

@@ -145,3 +145,40 @@ def test_a_raw_message_is_made_crlf_and_its_long_lines_folded() -> None:
     with pytest.raises(Problem) as info:
         from_raw(raw, ["j@acme.example"], ["a@dest.example"], refusing)
     assert info.value.kind.slug == "invalid-message"
+
+
+def test_wrapped_base64_and_a_media_type_with_parameters_are_taken() -> None:
+    """Attachments as common libraries write them: base64 in lines of 76 (Python's
+    encodebytes, PHP's chunk_split) and a content type with parameters."""
+    csv = ("name,amount\r\n" + "ann,42\r\n" * 40).encode()
+    _recipients, message = build(
+        **{"from": "j@acme.example"},
+        to="a@dest.example",
+        text="plain",
+        attachments=[
+            {
+                "filename": "bill.csv",
+                "content_type": 'text/csv; charset=utf-8; header="present";',
+                "content": base64.encodebytes(csv).decode(),
+            }
+        ],
+    )
+    (attachment,) = list(message.iter_attachments())
+    assert attachment.get_content_type() == "text/csv"
+    assert attachment.get_param("charset") == "utf-8"
+    assert attachment.get_param("header") == "present"
+    assert attachment.get_payload(decode=True) == csv
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    ["text/csv; charset", "text/csv; a=b\r\nBcc: x@y", 'text/csv; a="b\\"c"', "text/csv;" * 10],
+)
+def test_a_media_type_whose_parameters_are_not_name_value_is_refused(content_type: str) -> None:
+    with pytest.raises(Problem, match="content_type"):
+        build(
+            **{"from": "j@acme.example"},
+            to="a@dest.example",
+            text="plain",
+            attachments=[{"filename": "a", "content_type": content_type, "content": "YQ=="}],
+        )
