@@ -58,6 +58,12 @@ EVENT_TYPE = {
 DSN_LISTENER = "bounce"
 
 
+def message_kind(listener: str) -> str:
+    """What a queued message is, as the API and webhook events say: "dsn" for a delivery status
+    notification pigeon-mta made (to an org's sender, for mail that failed), else "message"."""
+    return "dsn" if listener == DSN_LISTENER else "message"
+
+
 @dataclass(frozen=True)
 class Envelope:
     """A message as accepted by the submission side, ready to be queued."""

@@ -88,6 +88,14 @@ _PROBLEM: dict[str, Any] = {
 }
 
 
+# What a queued message is (model.message_kind).
+_KIND: dict[str, Any] = {
+    "type": "string",
+    "enum": ["message", "dsn"],
+    "description": "dsn: a delivery status notification pigeon-mta made for the org's sender",
+}
+
+
 def _problem(description: str, *, retry_after: bool = False) -> dict[str, Any]:
     answer: dict[str, Any] = {
         "description": description,
@@ -237,6 +245,7 @@ _WEBHOOK_EVENT: dict[str, Any] = {
                 "response",
                 "category",
                 "attempt",
+                "kind",
             ],
             "properties": {
                 "queue_id": {"type": "string", "format": "uuid"},
@@ -248,6 +257,7 @@ _WEBHOOK_EVENT: dict[str, Any] = {
                 "response": {"type": ["string", "null"]},
                 "category": {"type": ["string", "null"]},
                 "attempt": {"type": "integer", "description": "the recipient's delivery attempt"},
+                "kind": _KIND,
             },
         },
     },
@@ -287,9 +297,10 @@ def _webhook_operation() -> dict[str, Any]:
 
 _TIMELINE: dict[str, Any] = {
     "type": "object",
-    "required": ["queue_id", "message_id", "received_at", "lane", "recipients", "events"],
+    "required": ["queue_id", "kind", "message_id", "received_at", "lane", "recipients", "events"],
     "properties": {
         "queue_id": {"type": "string", "format": "uuid"},
+        "kind": _KIND,
         "message_id": {"type": ["string", "null"], "description": "the Message-ID header value"},
         "sender": {"type": "string", "description": "the envelope sender; '' is the null sender"},
         "received_at": _TIME,
@@ -312,9 +323,17 @@ _MESSAGE_PAGE: dict[str, Any] = {
             "type": "array",
             "items": {
                 "type": "object",
-                "required": ["queue_id", "message_id", "received_at", "lane", "recipients"],
+                "required": [
+                    "queue_id",
+                    "kind",
+                    "message_id",
+                    "received_at",
+                    "lane",
+                    "recipients",
+                ],
                 "properties": {
                     "queue_id": {"type": "string", "format": "uuid"},
+                    "kind": _KIND,
                     "message_id": {"type": ["string", "null"]},
                     "received_at": _TIME,
                     "lane": {"type": "string"},

@@ -23,6 +23,7 @@ from pigeon_mta.api import problems
 from pigeon_mta.api.auth import Authenticator
 from pigeon_mta.api.problems import Problem
 from pigeon_mta.delivery_records import story_records, timestamp_text
+from pigeon_mta.model import message_kind
 from pigeon_mta.plain import is_digits
 from pigeon_mta.store import events as store_events
 from pigeon_mta.store import message_pages
@@ -68,6 +69,7 @@ class MessageReader:
         return web.json_response(
             {
                 "queue_id": str(m.id),
+                "kind": message_kind(m.listener),
                 "message_id": m.header_message_id,
                 "sender": m.sender,
                 "received_at": timestamp_text(m.received_at),
@@ -100,6 +102,7 @@ class MessageReader:
                 "messages": [
                     {
                         "queue_id": str(m.queue_id),
+                        "kind": message_kind(m.listener),
                         "message_id": m.header_message_id,
                         "received_at": timestamp_text(m.received_at),
                         "lane": m.lane,

@@ -51,6 +51,7 @@ class ListedMessage:
     header_message_id: str | None
     received_at: datetime
     lane: str
+    listener: str = ""  # model.DSN_LISTENER for a delivery status notification pigeon made
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ async def list_messages(
             header_message_id=r["header_message_id"],
             received_at=r["received_at"],
             lane=r["lane"],
+            listener=r["listener"],
         )
         for r in rows
     ]
@@ -122,7 +124,7 @@ def _of_org(arg: _Arguments, org: str, filters: Filters, after: Position | None,
             f"WHERE r.message_id = m.id AND r.status = {arg(filters.status)})"
         )
     return f"""
-SELECT m.id, m.header_message_id, m.received_at, m.lane FROM message m
+SELECT m.id, m.header_message_id, m.received_at, m.lane, m.listener FROM message m
 WHERE {" AND ".join(where)}
 ORDER BY m.received_at DESC, m.id DESC LIMIT {arg(limit)}
 """
@@ -140,7 +142,7 @@ def _failed(arg: _Arguments, org: str, filters: Filters, after: Position | None,
             f"(r.created_at, r.message_id) < ({arg(after.received_at)}, {arg(after.queue_id)})"
         )
     return f"""
-SELECT m.id, m.header_message_id, m.received_at, m.lane
+SELECT m.id, m.header_message_id, m.received_at, m.lane, m.listener
 FROM (SELECT DISTINCT r.created_at, r.message_id FROM recipient r
       WHERE {" AND ".join(where)}
       ORDER BY r.created_at DESC, r.message_id DESC LIMIT {arg(limit)}) hit
@@ -175,7 +177,7 @@ def _to_address(
         )
     count = arg(limit)
     return f"""
-SELECT DISTINCT m.id, m.header_message_id, m.received_at, m.lane
+SELECT DISTINCT m.id, m.header_message_id, m.received_at, m.lane, m.listener
 FROM unnest({spellings}::text[]) AS spelling (address)
 CROSS JOIN LATERAL (SELECT r.message_id FROM recipient r
                     WHERE {" AND ".join(where)}

@@ -23,6 +23,7 @@ from pigeon_mta.store.webhooks import (
     claimed_event,
     event_payload,
     header_message_id,
+    message_kind,
 )
 
 _WEBHOOK_PAYLOAD = event_payload(
@@ -31,6 +32,7 @@ _WEBHOOK_PAYLOAD = event_payload(
     recipient_id="v.recipient_id",
     recipient="u.address",
     message_id=header_message_id("v.message_id"),
+    kind=message_kind("v.message_id"),
     code="v.code",
     enhanced_code="v.enhanced_code",
     response="v.response",

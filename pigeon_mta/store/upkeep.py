@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pigeon_mta.store.executor import Executor
 from pigeon_mta.store.webhooks import backlog as webhook_backlog
-from pigeon_mta.store.webhooks import event_payload, header_message_id
+from pigeon_mta.store.webhooks import event_payload, header_message_id, message_kind
 
 # ---------------------------------------------------------------- expiry
 
@@ -24,6 +24,7 @@ _WEBHOOK_PAYLOAD = event_payload(
     recipient_id="e.id",
     recipient="e.address",
     message_id=header_message_id("e.message_id"),
+    kind=message_kind("e.message_id"),
     code="e.last_code",
     enhanced_code="e.last_enhanced_code",
     response=_EXPIRE_RESPONSE,

@@ -20,6 +20,7 @@ from datetime import datetime
 import asyncpg
 
 from pigeon_mta.ids import new_id
+from pigeon_mta.model import DSN_LISTENER
 from pigeon_mta.store.executor import Executor
 
 # The event types an endpoint may ask for; `webhook add` subscribes to all of them by default.
@@ -45,6 +46,7 @@ def event_payload(
     response: str,
     category: str,
     attempt: str,
+    kind: str,
 ) -> str:
     """The SQL expression of an event's body, {"type", "timestamp", "data"}, from the column
     expressions of the statement that writes it. The timestamp is the recording transaction's
@@ -55,13 +57,22 @@ def event_payload(
         'data', jsonb_build_object(
             'queue_id', {queue_id}, 'recipient_id', {recipient_id}, 'recipient', {recipient},
             'message_id', {message_id}, 'code', {code}, 'enhanced_code', {enhanced_code},
-            'response', {response}, 'category', {category}, 'attempt', {attempt}))"""
+            'response', {response}, 'category', {category}, 'attempt', {attempt},
+            'kind', {kind}))"""
 
 
 # The header Message-ID of a recorded outcome's message, read only for the rows that have a webhook
 # (a subquery in the select list runs once per row that reaches it).
 def header_message_id(message_id: str) -> str:
     return f"(SELECT header_message_id FROM message WHERE id = {message_id})"
+
+
+# The kind of a recorded outcome's message (model.message_kind), read as header_message_id is.
+def message_kind(message_id: str) -> str:
+    return (
+        f"(SELECT CASE WHEN listener = '{DSN_LISTENER}' THEN 'dsn' ELSE 'message' END"
+        f" FROM message WHERE id = {message_id})"
+    )
 
 
 # ---------------------------------------------------------------- endpoints

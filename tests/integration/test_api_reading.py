@@ -153,7 +153,7 @@ async def test_filters_pick_the_org_s_messages(api: Api, pool: asyncpg.Pool) -> 
 
     _status, _headers, page = await call(api, "/v1/messages", params={"status": "queued"})
     (message,) = page["messages"]
-    assert set(message) == {"queue_id", "message_id", "received_at", "lane", "recipients"}
+    assert set(message) == {"queue_id", "kind", "message_id", "received_at", "lane", "recipients"}
     assert sorted((r["address"], r["status"]) for r in message["recipients"]) == [
         ("Ann@dest.example", "queued"),
         ("zed@dest.example", "queued"),
@@ -200,3 +200,29 @@ async def test_pages_of_a_failed_status_hold_each_message_once(
             break
         params["cursor"] = page["next_cursor"]
     assert seen == sent[::-1]
+
+
+async def test_a_dsn_pigeon_made_for_the_org_is_marked_as_one(api: Api, pool: asyncpg.Pool) -> None:
+    """A delivery status notification queued for the org's sender shows in its messages under
+    a queue id the application never made: `kind` says "dsn"; its own mail says "message"."""
+    from pigeon_mta.model import DSN_LISTENER, Envelope
+    from pigeon_mta.store import queue
+
+    mine = await send(api, "ann@dest.example")
+    org_id = await pool.fetchval("SELECT org_id FROM message WHERE id = $1", mine["queue_id"])
+    dsn = await queue.enqueue(
+        pool,
+        Envelope(
+            org_id=org_id,
+            sender="",
+            recipients=("shop@acme.example",),
+            body=b"From: MAILER-DAEMON@mta.test\r\nSubject: Undelivered\r\n\r\nSorry.\r\n",
+            listener=DSN_LISTENER,
+        ),
+    )
+    status, _headers, page = await call(api, "/v1/messages")
+    assert status == 200
+    kinds = {m["queue_id"]: m["kind"] for m in page["messages"]}
+    assert kinds == {mine["queue_id"]: "message", str(dsn): "dsn"}
+    status, _headers, one = await call(api, f"/v1/messages/{dsn}")
+    assert status == 200 and one["kind"] == "dsn" and one["sender"] == ""

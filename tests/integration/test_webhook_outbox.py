@@ -12,7 +12,7 @@ from typing import Any
 
 import asyncpg
 
-from pigeon_mta.model import Envelope, Outcome, Reply
+from pigeon_mta.model import DSN_LISTENER, Envelope, Outcome, Reply
 from pigeon_mta.outbound import outcome
 from pigeon_mta.store import outcomes, queue, upkeep
 from pigeon_mta.store import webhooks as store_webhooks
@@ -21,7 +21,9 @@ from tests.integration.test_bounces import claim_all, result
 BODY = b"From: alice@example.com\r\nMessage-ID: <m1@example.com>\r\n\r\nhi\r\n"
 
 
-async def send(pool: asyncpg.Pool, org_id: uuid.UUID, *recipients: str) -> uuid.UUID:
+async def send(
+    pool: asyncpg.Pool, org_id: uuid.UUID, *recipients: str, listener: str = "relay"
+) -> uuid.UUID:
     return await queue.enqueue(
         pool,
         Envelope(
@@ -29,7 +31,7 @@ async def send(pool: asyncpg.Pool, org_id: uuid.UUID, *recipients: str) -> uuid.
             sender="alice@example.com",
             recipients=recipients,
             body=BODY,
-            listener="relay",
+            listener=listener,
             header_message_id="m1@example.com",
         ),
     )
@@ -70,6 +72,7 @@ async def test_expiry_writes_an_expired_event_with_the_last_reply(
         "response": "expired after 5d in the queue; last reply: greylisted",
         "category": "expired",
         "attempt": 1,
+        "kind": "message",
     }
 
 
@@ -207,3 +210,21 @@ async def test_removing_an_org_removes_its_webhooks_and_their_events(
         assert await orgs.remove_org(conn, "acme", force=False) is not None
     assert await pool.fetchval("SELECT count(*) FROM webhook") == 0
     assert await pool.fetchval("SELECT count(*) FROM webhook_event") == 0
+
+
+async def test_an_event_of_a_dsn_says_so(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
+    """A delivery status notification pigeon-mta queued for the org's sender is delivered under
+    a queue id the application never made: its events say `kind: "dsn"`; the org's own mail's
+    say "message"."""
+    await store_webhooks.add_webhook(pool, org_id, "http://127.0.0.1:1/", ["delivered"], "s")
+    dsn = await send(pool, org_id, "alice@example.com", listener=DSN_LISTENER)
+    mail = await send(pool, org_id, "bob@example.net")
+    deliveries = await claim_all(pool)
+    delivered = [
+        result(d, r.address, Outcome.DELIVERED, Reply(250, "2.0.0", "ok"))
+        for d in deliveries
+        for r in d.recipients
+    ]
+    await outcomes.record_attempts(pool, delivered)
+    kinds = {e["data"]["queue_id"]: e["data"]["kind"] for e in await events(pool)}
+    assert kinds == {str(dsn): "dsn", str(mail): "message"}
