@@ -19,11 +19,13 @@ from pigeon_mta.submission.fixups import Fixed, Trace
 from pigeon_mta.submission.reception import Reception
 
 
-def api_trace(trace: Trace, key: ApiKey) -> bytes:
-    """Who sent the message (the key's id, never the key), from where, when, and its queue id."""
+def api_trace(trace: Trace) -> bytes:
+    """From where the message came, when, and its queue id. Which API key sent it is kept in the
+    database and the log (`auth_user` apikey:<id>), not told to the recipients, as Postfix keeps
+    the SASL user out of its Received field."""
     return (
         f"X-Pigeon-Submitted: by {trace.hostname} (pigeon-mta) over HTTP\r\n"
-        f"\tfrom [{trace.client_ip}] with API key {key.id} id {trace.queue_id};\r\n"
+        f"\tfrom [{trace.client_ip}] id {trace.queue_id};\r\n"
         f"\t{format_datetime(trace.received_at)}\r\n"
     ).encode("ascii")
 

@@ -170,7 +170,7 @@ class SendHandler:
                 new_message_id=new_message_id,
                 max_header_size=limits.max_header_size,
                 max_hops=limits.max_hops,
-                top=api_trace(trace, key),
+                top=api_trace(trace),
             )
         except HeaderTooLarge:
             raise Problem(
