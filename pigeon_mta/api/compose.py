@@ -45,7 +45,10 @@ JSON_FIELDS = frozenset(
         "lane",
     }
 )
-ATTACHMENT_FIELDS = frozenset({"filename", "content_type", "content"})
+ATTACHMENT_FIELDS = frozenset({"filename", "content_type", "content", "content_id"})
+# An inline part's Content-ID as the html names it ("cid:logo"): a msg-id's characters (RFC 5322
+# 3.6.4 dot-atom text, an @ allowed), never a space, angle bracket or quote.
+_CONTENT_ID = re.compile(r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~.@-]{1,200}")
 # Fields of the JSON `headers` object, at most; and the characters of one header value (subject
 # or `headers`), at most: longer ones are mistakes, and each costs encoding time to build.
 MAX_JSON_HEADERS = 100
@@ -244,9 +247,7 @@ def _headers(value: object) -> list[tuple[str, str]]:
     return out
 
 
-def _attachments(
-    request: Mapping[str, Any],
-) -> list[tuple[str, str, tuple[tuple[str, str], ...], bytes]]:
+def _attachments(request: Mapping[str, Any]) -> list[mime.Attachment]:
     value = request.get("attachments")
     if value is None:
         return []
@@ -278,7 +279,14 @@ def _attachments(
             raise Problem(
                 problems.INVALID_FIELD, f"The field '{where}.content' is not valid base64."
             ) from None
-        out.append((filename, content_type, parameters, content))
+        content_id = _string(item, "content_id")
+        if content_id is not None and not _CONTENT_ID.fullmatch(content_id):
+            raise Problem(
+                problems.INVALID_FIELD,
+                f"The field '{where}.content_id' must be 1 to 200 characters of a Message-ID "
+                "(letters, digits, . @ and the like; no space, angle bracket or quote).",
+            )
+        out.append(mime.Attachment(filename, content_type, parameters, content, content_id))
     return out
 
 

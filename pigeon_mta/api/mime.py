@@ -14,6 +14,7 @@ from __future__ import annotations
 import email.errors
 import email.policy
 import urllib.parse
+from dataclasses import dataclass
 from email import encoders
 from email.charset import QP, Charset
 from email.header import Header
@@ -117,28 +118,54 @@ def _text_part(content: str, subtype: str, field: str) -> Message:
         ) from None
 
 
-def with_attachments(
-    body: Message, attachments: list[tuple[str, str, tuple[tuple[str, str], ...], bytes]]
-) -> Message:
-    """`body` and each (filename, "type/subtype", its parameters, content) in multipart/mixed."""
+@dataclass(frozen=True)
+class Attachment:
+    filename: str
+    content_type: str  # "type/subtype"
+    parameters: tuple[tuple[str, str], ...]  # of the content type
+    content: bytes
+    # Set: an inline part the html names as "cid:<content_id>" (multipart/related, RFC 2387).
+    content_id: str | None = None
+
+
+def with_attachments(body: Message, attachments: list[Attachment]) -> Message:
+    """`body` with its inline parts in multipart/related, then the other attachments in
+    multipart/mixed."""
+    inline = [a for a in attachments if a.content_id is not None]
+    if inline:
+        related = MIMEMultipart("related", policy=_WRITE)
+        related.attach(body)
+        for attachment in inline:
+            related.attach(_part(attachment, "inline"))
+        body = related
+    rest = [a for a in attachments if a.content_id is None]
+    if not rest:
+        return body
     mixed = MIMEMultipart("mixed", policy=_WRITE)
     mixed.attach(body)
-    for filename, content_type, parameters, content in attachments:
-        maintype, subtype = content_type.split("/")
-        part = MIMEBase(maintype, subtype, policy=_WRITE)
-        for name, value in parameters:
-            part.set_param(name, value)
-        part.set_payload(content)
-        encoders.encode_base64(part)
-        if filename.isascii() and len(filename) <= _SHORT_FILENAME:
-            part.add_header("Content-Disposition", "attachment", filename=filename)
-        else:
-            part["Content-Disposition"] = _disposition(filename)
-        mixed.attach(part)
+    for attachment in rest:
+        mixed.attach(_part(attachment, "attachment"))
     return mixed
 
 
-def _disposition(filename: str) -> str:
+def _part(attachment: Attachment, disposition: str) -> Message:
+    maintype, subtype = attachment.content_type.split("/")
+    part = MIMEBase(maintype, subtype, policy=_WRITE)
+    for name, value in attachment.parameters:
+        part.set_param(name, value)
+    part.set_payload(attachment.content)
+    encoders.encode_base64(part)
+    filename = attachment.filename
+    if filename.isascii() and len(filename) <= _SHORT_FILENAME:
+        part.add_header("Content-Disposition", disposition, filename=filename)
+    else:
+        part["Content-Disposition"] = _disposition(filename, disposition)
+    if attachment.content_id is not None:
+        part["Content-ID"] = f"<{attachment.content_id}>"
+    return part
+
+
+def _disposition(filename: str, disposition: str = "attachment") -> str:
     """`attachment` with the filename in RFC 2231 continuations (`filename*0*=utf-8''...;
     filename*1*=...`), each short, so that the field folds between them: a long filename written
     whole made a line of 20,000 octets (RFC 5322 2.1.1 allows 998)."""
@@ -154,7 +181,7 @@ def _disposition(filename: str) -> str:
         start = end
     charset = "utf-8''"  # RFC 2231 4: charset'language' on the first part only
     parts = [f"filename*{i}*={charset if i == 0 else ''}{c}" for i, c in enumerate(chunks)]
-    return "attachment; " + "; ".join(parts)
+    return f"{disposition}; " + "; ".join(parts)
 
 
 def flatten(headers: list[tuple[str, str | Header]], body: Message) -> bytes:

@@ -48,6 +48,10 @@ _JSON_MESSAGE: dict[str, Any] = {
                     "filename": {"type": "string"},
                     "content_type": {"type": "string", "default": "application/octet-stream"},
                     "content": {"type": "string", "contentEncoding": "base64"},
+                    "content_id": {
+                        "type": "string",
+                        "description": "an inline part the html names as cid:CONTENT_ID",
+                    },
                 },
             },
         },

@@ -182,3 +182,48 @@ def test_a_media_type_whose_parameters_are_not_name_value_is_refused(content_typ
             text="plain",
             attachments=[{"filename": "a", "content_type": content_type, "content": "YQ=="}],
         )
+
+
+def test_an_inline_image_goes_in_multipart_related_beside_the_html() -> None:
+    """An attachment with a `content_id` is an inline part the html names as cid: (RFC 2387):
+    text and html, then the image, in multipart/related; a plain attachment after that, in
+    multipart/mixed. A content id with a space or an angle bracket is refused."""
+    png = b"\x89PNG fake"
+    _recipients, message = build(
+        **{"from": "j@acme.example"},
+        to="a@dest.example",
+        text="plain",
+        html='<p><img src="cid:logo@acme"></p>',
+        attachments=[
+            {
+                "filename": "logo.png",
+                "content_type": "image/png",
+                "content": base64.b64encode(png).decode(),
+                "content_id": "logo@acme",
+            },
+            {"filename": "terms.txt", "content_type": "text/plain", "content": "dGVybXM="},
+        ],
+    )
+    assert message.get_content_type() == "multipart/mixed"
+    related, terms = message.get_payload()
+    assert related.get_content_type() == "multipart/related"
+    alternative, logo = related.get_payload()
+    assert alternative.get_content_type() == "multipart/alternative"
+    assert logo["Content-ID"] == "<logo@acme>"
+    assert logo.get_content_disposition() == "inline" and logo.get_payload(decode=True) == png
+    assert terms.get_content_disposition() == "attachment" and terms["Content-ID"] is None
+    for bad in ("logo acme", "<logo>", 'lo"go', ""):
+        with pytest.raises(Problem, match="content_id"):
+            build(
+                **{"from": "j@acme.example"},
+                to="a@dest.example",
+                html="<p>x</p>",
+                attachments=[
+                    {
+                        "filename": "a",
+                        "content_type": "image/png",
+                        "content": "YQ==",
+                        "content_id": bad,
+                    }
+                ],
+            )
