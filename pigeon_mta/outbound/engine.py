@@ -20,7 +20,6 @@ duplicate, rather than released as if it had never been tried.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import random
@@ -37,6 +36,7 @@ from pigeon_mta.outbound.budgets import Budgets
 from pigeon_mta.outbound.claims import Claims, group_deliveries
 from pigeon_mta.outbound.courier import Courier, Postponed, Signer
 from pigeon_mta.outbound.mx import Router
+from pigeon_mta.outbound.org_share import OrgShare
 from pigeon_mta.outbound.outcome import interrupted_after_data, split_suppressed
 from pigeon_mta.outbound.recorder import EventHandoff, Recorder
 from pigeon_mta.store import leases as store_leases
@@ -120,15 +120,8 @@ class DeliveryEngine:
         self._bite = max(1, min(self.delivery.batch_size, self.delivery.concurrency // 4))
         # Deliveries in this engine per org, and the most one org may hold: the rest of the
         # engine's slots stay free for other orgs' mail (delivery.max_org_share).
-        self._by_org: collections.Counter[uuid.UUID] = collections.Counter()
         self._org_of: dict[asyncio.Task[None], uuid.UUID] = {}
-        self._org_cap = max(1, int(self.delivery.concurrency * self.delivery.max_org_share))
-        # Recipients reserved for this process's listeners, per org (see `reserve`).
-        self._reserved_by_org: collections.Counter[uuid.UUID] = collections.Counter()
-        # Set when an org at its cap has a few slots again: a claim that left due mail of a
-        # capped org behind comes back then rather than after the poll interval.
-        self._org_room = asyncio.Event()
-        self._org_step = max(1, self._bite // 4)
+        self._orgs = OrgShare(self.delivery.concurrency, self.delivery.max_org_share, self._bite)
         self._lane_weights = {name: lane.weight for name, lane in settings.lanes.items()}
 
     # ------------------------------------------------------------ service
@@ -177,33 +170,16 @@ class DeliveryEngine:
             return None
         if self._claimable() - self._promised < recipients:
             return None
-        if self._org_taken(org_id) + recipients > self._org_cap:
+        if not self._orgs.fits(org_id, recipients):
             return None
         self._reserved += recipients
-        self._reserved_by_org[org_id] += recipients
+        self._orgs.reserve(org_id, recipients)
         return self.owner, self.delivery.lease
 
     def unreserve(self, recipients: int, org_id: uuid.UUID) -> None:
         self._reserved = max(0, self._reserved - recipients)
-        left = self._reserved_by_org[org_id] - recipients
-        if left > 0:
-            self._reserved_by_org[org_id] = left
-        else:
-            del self._reserved_by_org[org_id]
-        self._freed(org_id, recipients)
+        self._orgs.unreserve(org_id, recipients)
         self._room.set()
-
-    def _freed(self, org_id: uuid.UUID, n: int) -> None:
-        """`n` of an org's slots are free again: wake a claim that waits for room of a capped
-        org once the org is a few slots below its cap (not at every one)."""
-        now = self._org_taken(org_id)
-        mark = max(0, self._org_cap - self._org_step)
-        if now <= mark < now + n:
-            self._org_room.set()
-
-    def _org_taken(self, org_id: uuid.UUID) -> int:
-        """The engine's slots an org holds or has reserved."""
-        return self._by_org.get(org_id, 0) + self._reserved_by_org.get(org_id, 0)
 
     def adopt(self, rows: Sequence[ClaimedRow]) -> None:
         """The committed recipients of a reservation, queued claimed by this engine: delivered
@@ -317,12 +293,9 @@ class DeliveryEngine:
                 await self._room.wait()
                 continue
             want = min(delivery.batch_size, room)
-            org_room = {
-                o: self._org_cap - self._org_taken(o)
-                for o in self._by_org.keys() | self._reserved_by_org.keys()
-            }
+            org_room = self._orgs.rooms()
             # Cleared before the claim: a capped org's slots freed while it runs wake the next.
-            self._org_room.clear()
+            self._orgs.room.clear()
             try:
                 claimed = await store_leases.claim_due_recipients(
                     self.pool,
@@ -330,7 +303,7 @@ class DeliveryEngine:
                     lease=delivery.lease,
                     batch=want,
                     lane_weights=self._lane_weights,
-                    org_cap=self._org_cap,
+                    org_cap=self._orgs.cap,
                     org_room=org_room,
                 )
             except DB_ERRORS as exc:
@@ -346,7 +319,7 @@ class DeliveryEngine:
             deliveries = group_deliveries(claimed.rows, self._destination)
             self.claims.hold(deliveries, loop.time())
             self._start(deliveries)
-            if claimed.rows and len(claimed.rows) < want and self._org_limited(org_room, want):
+            if claimed.rows and len(claimed.rows) < want and self._orgs.limited(org_room, want):
                 # Short because an org's room ran out, not (perhaps) because nothing more is
                 # due: claim again at once. Each such claim takes at least one row; the first
                 # that takes none waits below.
@@ -357,7 +330,7 @@ class DeliveryEngine:
                 wait = float(delivery.poll_interval)
                 if claimed.come_back is not None:
                     wait = min(wait, max(SITE_ROUND, claimed.come_back))
-                await self._idle(wait, self._org_room if self._capped() else None)
+                await self._idle(wait, self._orgs.room if self._orgs.capped() else None)
                 # Woken (by new mail, most likely): let what is being queued right now join
                 # this claim instead of costing one each.
                 await self._pause(delivery.claim_wait)
@@ -366,14 +339,6 @@ class DeliveryEngine:
         if seconds > 0 and not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), seconds)
-
-    def _org_limited(self, org_room: dict[uuid.UUID, int], want: int) -> bool:
-        """Whether a claim of `want` may have been cut short by an org's room."""
-        return self._org_cap < want or any(n < want for n in org_room.values())
-
-    def _capped(self) -> bool:
-        """Whether an org holds its share of the engine (its due mail, if any, was left)."""
-        return any(n >= self._org_cap for n in self._by_org.values())
 
     async def _idle(self, timeout: float, room: asyncio.Event | None = None) -> None:
         """Wait for new mail (the waker), `room`, stop, or `timeout` seconds."""
@@ -418,7 +383,7 @@ class DeliveryEngine:
         task = asyncio.create_task(self._process(delivery), name="delivery")
         self._active.add(task)
         self._not_started.add(task)
-        self._by_org[delivery.org_id] += 1
+        self._orgs.started(delivery.org_id)
         self._org_of[task] = delivery.org_id
         task.add_done_callback(self._done)
 
@@ -426,10 +391,7 @@ class DeliveryEngine:
         self._active.discard(task)
         org = self._org_of.pop(task, None)
         if org is not None:
-            self._by_org[org] -= 1
-            if self._by_org[org] <= 0:
-                del self._by_org[org]
-            self._freed(org, 1)
+            self._orgs.done(org)
         self._room.set()
 
     # ------------------------------------------------------------ one delivery
