@@ -129,7 +129,7 @@ async def record_pool(url: str, settings: Settings) -> asyncpg.Pool:
     under way at a time. The record statement, its bounces and suppression entries find their
     rows by key, so they are planned once per connection (`server_settings` with `by_key`):
     planned at every call, the record's planning cost PostgreSQL as much as its execution
-    (bench/README.md "PostgreSQL's CPU per message")."""
+    (bench/README.md "End to end")."""
     return await create_pool(url, settings, size=2, by_key=True)
 
 

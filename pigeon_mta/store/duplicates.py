@@ -15,7 +15,7 @@ the entries and the duplicates' records are one statement, one commit, as in sto
 
 Almost every message is new, so it is first written with plain INSERTs of its entries: they add
 half as much to PostgreSQL's CPU per message as INSERT ... ON CONFLICT and the duplicates'
-bookkeeping do (bench/README.md, "PostgreSQL's CPU per message"). An entry already there (a duplicate, an ended
+bookkeeping do (bench/README.md, "End to end"). An entry already there (a duplicate, an ended
 window not pruned yet, a twin in parallel or in the same batch) makes that statement fail on the
 primary key, having written nothing; then the statement with ON CONFLICT decides. PostgreSQL's own
 log shows that failure as an ERROR (a duplicate key in submission_dedup_pkey), once per duplicate
