@@ -65,7 +65,8 @@ class _Waiting:
 # Statements under way at once per process; also the size of a worker's commit pool
 # (store.connect.commit_pool). One: the messages that finish while a commit runs share the next
 # statement instead of half of them going alone into a second one. A lone message costs PostgreSQL
-# about three times the CPU of a message in a batch (bench/README.md, "End to end"), and the processes of `serve` still keep several commits under way.
+# about three times the CPU of a message in a batch (bench/README.md, "End to end"), and the
+# processes of `serve` still keep several commits under way.
 MAX_COMMITS = 1
 
 
