@@ -171,6 +171,7 @@ async def worker_services(
     open while they run. `lease_owner` names the node's run (pigeon_mta/node.py)."""
     # Imported here: admin commands import this module and need no SMTP or HTTP code.
     from pigeon_mta.api.server import ApiService
+    from pigeon_mta.intake.accept import Intake
     from pigeon_mta.outbound.engine import DeliveryEngine
     from pigeon_mta.signer import DkimSigner
     from pigeon_mta.store.notify import QueueWaker
@@ -222,21 +223,19 @@ async def worker_services(
             services.append(engine)
         elif index == 0:
             log.warning("delivery.enabled is false: this node queues mail but delivers none")
-        submission = SubmissionService(
+        # One intake for every door: the listeners' and the API's messages share commits, which
+        # hand them to this process's engine or wake the engines.
+        intake = Intake.of(
             settings,
             pool,
-            delivery_log=delivery_log,
-            on_queued=notifier.poke,
             commit_pool=commit_pool,
             engine=engine,
+            on_queued=notifier.poke,
+            delivery_log=delivery_log,
         )
-        services.append(submission)
-        # The API queues through the listeners' group commit: their messages share commits, and
-        # it hands them to this process's engine or wakes the engines as theirs.
+        services.append(SubmissionService(settings, pool, intake))
         if settings.api.listen is not None:
-            services.append(
-                ApiService(settings, pool, submission.group_commit, delivery_log=delivery_log)
-            )
+            services.append(ApiService(settings, pool, intake))
         elif index == 0:
             log.info("HTTP API off ('api.listen' is empty)")
         yield services

@@ -291,6 +291,8 @@ class MetricsSettings:
 # The listener name HTTP API mail is stored and counted under (message.listener, the metrics'
 # `listener` label); no [[listener]] may take it.
 API_LISTENER = "api"
+# How a message sent with an API key names it as its auth_user: "apikey:<id>" (never a login).
+API_KEY_USER_PREFIX = "apikey:"
 
 
 @dataclass(frozen=True)

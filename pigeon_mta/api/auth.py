@@ -1,5 +1,5 @@
 """Who is asking: the API key of a request (`Authorization: Bearer KEY`, RFC 6750), found in the
-database or in the process's memory of keys found within `api.auth_cache` (memo.py).
+database or in the process's memory of keys found within `api.auth_cache` (pigeon_mta/memo.py).
 
 A request is asked for its key before its body is read (api/server.py), so that a client without
 one costs a header's worth of work, not a body's. Wrong keys are throttled per client address as
@@ -25,9 +25,9 @@ import asyncpg
 from aiohttp import web
 
 from pigeon_mta.api import problems
-from pigeon_mta.api.memo import Memo
 from pigeon_mta.api.problems import Problem
 from pigeon_mta.config import API_LISTENER, LimitsSettings
+from pigeon_mta.memo import Memo
 from pigeon_mta.store import apikeys as store_apikeys
 from pigeon_mta.store import limits as store_limits
 from pigeon_mta.store.apikeys import ApiKey

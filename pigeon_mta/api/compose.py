@@ -25,10 +25,9 @@ from typing import Any
 from pigeon_mta.api import mime, problems
 from pigeon_mta.api.problems import Problem, shown
 from pigeon_mta.config import LimitsSettings
+from pigeon_mta.intake.addresses import AddressProblem, Mailbox, mailbox_key, parse_mailbox
+from pigeon_mta.intake.lines import LINE_LIMIT, fold_long_lines, normalize_line_endings
 from pigeon_mta.message import split_header
-from pigeon_mta.submission.addresses import AddressProblem, Mailbox, parse_mailbox
-from pigeon_mta.submission.data import LINE_LIMIT, fold_long_lines
-from pigeon_mta.submission.fixups import normalize_line_endings
 
 JSON_FIELDS = frozenset(
     {
@@ -84,7 +83,7 @@ _BASE64_SPACE = str.maketrans("", "", " \t\r\n")
 
 
 @dataclass(frozen=True)
-class Submission:
+class Composed:
     sender: Mailbox
     recipients: tuple[str, ...]  # envelope recipients, each once, in the order given
     data: bytes  # the message, CRLF line endings
@@ -94,7 +93,7 @@ class Submission:
 # ---------------------------------------------------------------- JSON
 
 
-def from_json(body: bytes, limits: LimitsSettings) -> Submission:
+def from_json(body: bytes, limits: LimitsSettings) -> Composed:
     try:
         request = json.loads(body)
     except (ValueError, RecursionError):
@@ -139,7 +138,7 @@ def from_json(body: bytes, limits: LimitsSettings) -> Submission:
         tree = mime.with_attachments(tree, attachments)
     data = mime.flatten(headers, tree)
     _check_size(data, limits)
-    return Submission(sender[0], recipients, data, lane)
+    return Composed(sender[0], recipients, data, lane)
 
 
 def _check_counts(request: Mapping[str, Any], limits: LimitsSettings) -> None:
@@ -353,10 +352,10 @@ def _addresses(value: object, field: str) -> list[tuple[Mailbox, str]]:
 
 
 def _envelope_recipients(mailboxes: list[Mailbox], limits: LimitsSettings) -> tuple[str, ...]:
-    """Each mailbox once (the domain compared without case, as the SMTP handler does)."""
+    """Each mailbox once (`addresses.mailbox_key`, as the SMTP handler does)."""
     seen: dict[str, str] = {}
     for mailbox in mailboxes:
-        seen.setdefault(f"{mailbox.local}@{mailbox.domain.lower()}", str(mailbox))
+        seen.setdefault(mailbox_key(str(mailbox)), str(mailbox))
     if len(seen) > limits.max_recipients:
         raise Problem(
             problems.TOO_MANY_RECIPIENTS,
@@ -369,7 +368,7 @@ def _envelope_recipients(mailboxes: list[Mailbox], limits: LimitsSettings) -> tu
 # ---------------------------------------------------------------- raw
 
 
-def from_raw(body: bytes, sender: list[str], to: list[str], limits: LimitsSettings) -> Submission:
+def from_raw(body: bytes, sender: list[str], to: list[str], limits: LimitsSettings) -> Composed:
     """The message as the client wrote it; the envelope from the query parameters."""
     if len(sender) != 1:
         raise Problem(problems.INVALID_FIELD, "The query parameter 'from' must be given once.")
@@ -401,7 +400,7 @@ def from_raw(body: bytes, sender: list[str], to: list[str], limits: LimitsSettin
         data, _folded = fold_long_lines(data)
     if data and not data.endswith(b"\r\n"):
         data += b"\r\n"
-    return Submission(mailbox, recipients, data, None)
+    return Composed(mailbox, recipients, data, None)
 
 
 def _check_size(data: bytes, limits: LimitsSettings) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from pigeon_mta.api import problems
 from pigeon_mta.api.problems import Problem, shown
-from pigeon_mta.submission.addresses import Mailbox
+from pigeon_mta.intake.addresses import Mailbox
 
 
 class _Write(email.policy.Compat32):

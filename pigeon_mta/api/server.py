@@ -33,10 +33,9 @@ from pigeon_mta.api.reading import MessageReader
 from pigeon_mta.api.send import SendHandler
 from pigeon_mta.api.suppressions import SuppressionHandler
 from pigeon_mta.config import API_LISTENER, Settings
-from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.intake.accept import Intake
 from pigeon_mta.metrics import API_REQUEST_SECONDS, API_REQUESTS, LISTENERS_BOUND
 from pigeon_mta.plain import plain_text
-from pigeon_mta.store.group_commit import GroupCommit
 from pigeon_mta.web import WebServer
 
 log = logging.getLogger("pigeon_mta.api")
@@ -53,9 +52,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def build_app(
     settings: Settings,
     pool: asyncpg.Pool,
-    group_commit: GroupCommit,
-    *,
-    delivery_log: DeliveryLog | None = None,
+    intake: Intake,
 ) -> web.Application:
     size = settings.limits.max_message_size
     largest = size * 2 + _BODY_SLACK if size else _NO_LIMIT_BODY
@@ -70,7 +67,7 @@ def build_app(
             _body_after_key(authenticate, room, largest, settings.api.read_timeout),
         ],
     )
-    send = SendHandler(settings, pool, group_commit, authenticate, delivery_log=delivery_log)
+    send = SendHandler(settings, pool, intake, authenticate)
     messages = MessageReader(pool, authenticate)
     suppressions = SuppressionHandler(pool, authenticate)
     app.router.add_post("/v1/messages", send.post)
@@ -285,14 +282,12 @@ class ApiService:
         self,
         settings: Settings,
         pool: asyncpg.Pool,
-        group_commit: GroupCommit,
-        *,
-        delivery_log: DeliveryLog | None = None,
+        intake: Intake,
     ) -> None:
         if settings.api.listen is None:
             raise ValueError("'api.listen' is empty: the settings have no HTTP API to serve")
         self.settings = settings
-        app = build_app(settings, pool, group_commit, delivery_log=delivery_log)
+        app = build_app(settings, pool, intake)
         self.server = WebServer(
             app,
             settings.api.listen,

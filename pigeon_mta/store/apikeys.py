@@ -15,7 +15,7 @@ from datetime import datetime
 
 import asyncpg
 
-from pigeon_mta.config import API_LISTENER
+from pigeon_mta.config import API_KEY_USER_PREFIX
 from pigeon_mta.ids import new_id
 from pigeon_mta.store.executor import Executor
 
@@ -32,7 +32,7 @@ def key_hash(key: str) -> bytes:
 
 def auth_user_of(key_id: uuid.UUID) -> str:
     """What API mail stores as its message's auth_user: names the key, not a person."""
-    return f"apikey:{key_id}"
+    return f"{API_KEY_USER_PREFIX}{key_id}"
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ async def list_api_keys(db: Executor, org_id: uuid.UUID | None = None) -> list[A
 
 
 async def revoke_api_key(db: Executor, key_id: uuid.UUID) -> ApiKey | None:
-    """Revoke a key (refused by every process within api.auth_cache, api/memo.py); None when
+    """Revoke a key (refused by every process within api.auth_cache, memo.py); None when
     there is no such key. Revoking a revoked key keeps its first revocation time."""
     row = await db.fetchrow(
         f"""WITH k AS (
@@ -125,23 +125,3 @@ async def find_active_key(db: Executor, key: str) -> ApiKey | None:
     """The unrevoked key `key` is, or None; notes its use."""
     row = await db.fetchrow(_FIND, key_hash(key))
     return _api_key(row) if row else None
-
-
-async def recent_messages_of_key(
-    db: Executor, key_id: uuid.UUID, *, window: float, up_to: int
-) -> int:
-    """Messages the key submitted within `window` seconds, counted up to `up_to` (as
-    store.limits.recent_messages_of_credential counts an SMTP user's)."""
-    # The listener is written into the statement: a parameter would not match the predicate
-    # of the partial index message_api_key_received.
-    count = await db.fetchval(
-        f"""SELECT count(*) FROM (
-                SELECT 1 FROM message
-                WHERE listener = '{API_LISTENER}' AND auth_user = $1
-                  AND received_at > now() - make_interval(secs => $2)
-                LIMIT $3) recent""",
-        auth_user_of(key_id),
-        float(window),
-        up_to,
-    )
-    return int(count or 0)

@@ -1,4 +1,5 @@
-"""Counters behind the submission limits: failed AUTH attempts per client IP, messages per credential.
+"""Counters behind the submission limits: failed AUTH attempts per client IP, messages per
+credential (an SMTP user or an API key).
 
 Kept in the database so that every process and every node sees the same counts.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 
+from pigeon_mta.config import API_LISTENER
 from pigeon_mta.ids import new_id
 from pigeon_mta.store.executor import Executor
 
@@ -61,19 +63,33 @@ async def recent_auth_failures(db: Executor, *, client_ip: str, window: float) -
     return int(count or 0)
 
 
-async def recent_messages_of_credential(
-    db: Executor, credential_id: uuid.UUID, *, window: float, up_to: int
+async def recent_messages(
+    db: Executor,
+    *,
+    credential_id: uuid.UUID | None = None,
+    api_key_user: str | None = None,
+    window: float,
+    up_to: int,
 ) -> int:
-    """Messages the credential submitted within `window` seconds, counted up to `up_to`.
+    """Messages an SMTP credential (`credential_id`) or an API key (`api_key_user`, its
+    auth_user) submitted within `window` seconds, counted up to `up_to`.
 
-    The LIMIT keeps the cost bounded by the rate limit, whatever the history.
+    The LIMIT keeps the cost bounded by the rate limit, whatever the history. Each kind has its
+    own index; for an API key the listener is written into the statement, as a parameter would
+    not match the predicate of the partial index message_api_key_received.
     """
+    who: object
+    if credential_id is not None:
+        who, predicate = credential_id, "credential_id = $1"
+    else:
+        assert api_key_user is not None
+        who, predicate = api_key_user, f"listener = '{API_LISTENER}' AND auth_user = $1"
     count = await db.fetchval(
-        """SELECT count(*) FROM (
+        f"""SELECT count(*) FROM (
                SELECT 1 FROM message
-               WHERE credential_id = $1 AND received_at > now() - make_interval(secs => $2)
+               WHERE {predicate} AND received_at > now() - make_interval(secs => $2)
                LIMIT $3) recent""",
-        credential_id,
+        who,
         float(window),
         up_to,
     )

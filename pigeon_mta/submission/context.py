@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import ipaddress
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import asyncpg
 
 from pigeon_mta.config import LimitsSettings, ListenerSettings, Settings
-from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.intake.accept import Intake
 from pigeon_mta.store import credentials as store_credentials
-from pigeon_mta.store import orgs as store_orgs
-from pigeon_mta.store.group_commit import GroupCommit
 from pigeon_mta.submission.auth import Authenticator
 from pigeon_mta.submission.tls import ListenerTLS
 
@@ -76,20 +73,6 @@ class ConnectionCounter:
             self._open.pop(ip, None)
 
 
-class TrustedOrg:
-    """The id of `relay.trusted_org`, looked up (and created if missing) on first use."""
-
-    def __init__(self, pool: asyncpg.Pool, name: str) -> None:
-        self.pool = pool
-        self.name = name
-        self._id: uuid.UUID | None = None
-
-    async def __call__(self) -> uuid.UUID:
-        if self._id is None:
-            self._id = await store_orgs.ensure_org(self.pool, self.name)
-        return self._id
-
-
 @dataclass
 class ListenerContext:
     settings: Settings
@@ -98,13 +81,10 @@ class ListenerContext:
     tls: ListenerTLS
     authenticator: Authenticator
     connections: ConnectionCounter
-    trusted_org_id: TrustedOrg
     trusted_networks: tuple[IPNetwork, ...]
-    group_commit: GroupCommit
+    intake: Intake  # the process's one way into the queue (intake/accept.py)
     sessions: set[OpenSession] = field(default_factory=set)
     shutting_down: bool = False
-    # Reception records (after the commit) and the wake-up of this process's engine.
-    delivery_log: DeliveryLog | None = None
 
     @property
     def name(self) -> str:
@@ -121,10 +101,6 @@ class ListenerContext:
     @property
     def limits(self) -> LimitsSettings:
         return self.settings.limits
-
-    @property
-    def sender_policy(self) -> str:
-        return self.settings.relay.sender_policy
 
     @property
     def plaintext_auth(self) -> bool:

@@ -11,11 +11,9 @@ import asyncio
 import enum
 from dataclasses import dataclass
 
-from pigeon_mta.submission.fixups import normalize_line_endings
+from pigeon_mta.intake.lines import LINE_LIMIT, fold_long_lines, normalize_line_endings
 
 END_OF_DATA = b"\r\n.\r\n"
-# The longest line of text a message may carry (RFC 5321 4.5.3.1.6, RFC 5322 2.1.1).
-LINE_LIMIT = 998
 
 
 class DataProblem(enum.Enum):
@@ -70,48 +68,6 @@ async def read_data(
         content, folded = fold_long_lines(normalize_line_endings(content))
         return Data(content, size, folded=folded)
     return Data(content, size)
-
-
-def fold_long_lines(content: bytes) -> tuple[bytes, int]:
-    """Break every line over 998 octets so that the message can be relayed (RFC 5321 4.5.3.1.6);
-    returns the content and how many lines were broken. `content` has CRLF line endings only.
-
-    A line is broken before the last run of spaces or tabs within the limit that follows some
-    other character (in a header that is a fold, RFC 5322 2.2.3, and changes nothing), else at
-    the limit with a space starting the next part, as Postfix's smtp_line_length_limit does
-    (base64 ignores the space; in other text it shows). Linear in the line's length."""
-    out: list[bytes] = []
-    folded = 0
-    for line in content.split(b"\r\n"):
-        if len(line) <= LINE_LIMIT:
-            out.append(line)
-            continue
-        folded += 1
-        pos, pad = 0, 0  # the next part starts at line[pos], after `pad` added spaces
-        while len(line) - pos + pad > LINE_LIMIT:
-            end = pos + LINE_LIMIT - pad  # what fits: line[pos:end]
-            cut = _fold_point(line, pos, end)
-            if cut is None:
-                out.append(b" " * pad + line[pos:end])
-                pos, pad = end, 1
-            else:
-                out.append(b" " * pad + line[pos:cut])
-                pos, pad = cut, 0
-        out.append(b" " * pad + line[pos:])
-    return b"\r\n".join(out), folded
-
-
-def _fold_point(line: bytes, pos: int, end: int) -> int | None:
-    """The start of the last run of spaces or tabs in line[pos + 1 : end + 1] that follows a
-    character other than those (so that line[pos:cut] is not all white space), or None."""
-    cut = max(line.rfind(b" ", pos + 1, end + 1), line.rfind(b"\t", pos + 1, end + 1))
-    if cut < 0:
-        return None
-    cut = pos + len(line[pos:cut].rstrip(_WHITE_SPACE))  # to the start of its run
-    return cut if cut > pos else None
-
-
-_WHITE_SPACE = b" \t"
 
 
 def unstuff(content: bytes) -> bytes:

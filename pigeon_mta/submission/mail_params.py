@@ -13,7 +13,7 @@ import re
 
 from aiosmtpd.smtp import Envelope
 
-from pigeon_mta.submission.addresses import AddressProblem, Mailbox, parse_mailbox, split_path
+from pigeon_mta.intake.addresses import AddressProblem, Mailbox, parse_mailbox, split_path
 
 # RFC 3461 section 4: xchar is any printable ASCII but "+" and "="; hexchar is "+" and two hex
 # digits (upper case in the RFC; lower case is taken too).

@@ -13,9 +13,9 @@ from typing import Any
 
 from aiosmtpd.smtp import SMTP, Session, syntax
 
+from pigeon_mta.intake.addresses import client_address, in_networks, split_path
 from pigeon_mta.metrics import SMTP_REJECTIONS
 from pigeon_mta.submission import replies
-from pigeon_mta.submission.addresses import client_address, in_networks, split_path
 from pigeon_mta.submission.context import Conversation, ListenerContext
 from pigeon_mta.submission.data import DataProblem, read_data
 from pigeon_mta.submission.handler import SubmissionHandler, names_with_prefixes

@@ -11,17 +11,15 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from collections.abc import Callable
 
 import asyncpg
 
 from pigeon_mta.config import ListenerSettings, Settings
-from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.intake.accept import Intake
 from pigeon_mta.metrics import LISTENERS_BOUND
-from pigeon_mta.store.group_commit import Engine, GroupCommit
 from pigeon_mta.submission import replies
 from pigeon_mta.submission.auth import Authenticator
-from pigeon_mta.submission.context import ConnectionCounter, ListenerContext, TrustedOrg
+from pigeon_mta.submission.context import ConnectionCounter, ListenerContext
 from pigeon_mta.submission.handler import SubmissionHandler
 from pigeon_mta.submission.protocol import SMTPSession
 from pigeon_mta.submission.tls import listener_tls
@@ -39,25 +37,15 @@ class SubmissionService:
         self,
         settings: Settings,
         pool: asyncpg.Pool,
-        *,
-        delivery_log: DeliveryLog | None = None,
-        on_queued: Callable[[int], None] | None = None,
-        commit_pool: asyncpg.Pool | None = None,
-        engine: Engine | None = None,
+        intake: Intake | None = None,
     ) -> None:
-        """`commit_pool`: the connections the group commit writes messages on (the worker gives it
-        its own, see `store.connect.commit_pool`); `pool` when not given. `engine`: this
-        process's delivery engine, handed the messages it has room for; `on_queued(n)` is called
-        after a commit that queued a message of n recipients for a claim instead."""
+        """`intake`: the process's (app.py), shared with the HTTP API; one of the listeners' own
+        (`Intake.of`) when not given."""
         self.settings = settings
         self.pool = pool
-        self.delivery_log = delivery_log
-        self.on_queued = on_queued
+        self.intake = intake or Intake.of(settings, pool)
         self.authenticator = Authenticator(pool, settings.limits)
         self.connections = ConnectionCounter(settings.limits.max_connections_per_ip)
-        self.trusted_org = TrustedOrg(pool, settings.relay.trusted_org)
-        # One per process: every listener's messages may share a commit.
-        self.group_commit = GroupCommit(commit_pool or pool, engine=engine, on_queued=on_queued)
         self.trusted_networks = tuple(
             ipaddress.ip_network(n, strict=False) for n in settings.relay.trusted_networks
         )
@@ -86,10 +74,8 @@ class SubmissionService:
             tls=tls,
             authenticator=self.authenticator,
             connections=self.connections,
-            trusted_org_id=self.trusted_org,
             trusted_networks=self.trusted_networks,
-            group_commit=self.group_commit,
-            delivery_log=self.delivery_log,
+            intake=self.intake,
         )
         handler = SubmissionHandler(ctx)
         try:

@@ -16,10 +16,10 @@ import asyncpg
 
 from pigeon_mta.api.server import ApiService
 from pigeon_mta.config import HostPort, Settings
+from pigeon_mta.intake.accept import Intake
 from pigeon_mta.store import apikeys as store_apikeys
 from pigeon_mta.store import domains as store_domains
 from pigeon_mta.store import orgs as store_orgs
-from pigeon_mta.store.group_commit import GroupCommit
 from tests.conftest import free_port
 
 
@@ -53,8 +53,8 @@ async def running_api(
     revoked_row, revoked_key = await store_apikeys.add_api_key(pool, acme)
     await store_apikeys.revoke_api_key(pool, revoked_row.id)
     queued: list[int] = []
-    group_commit = GroupCommit(commit_pool or pool, on_queued=queued.append)
-    service = ApiService(settings, pool, group_commit)
+    intake = Intake.of(settings, pool, commit_pool=commit_pool, on_queued=queued.append)
+    service = ApiService(settings, pool, intake)
     await service.start()
     try:
         scheme = "https" if settings.api.tls_cert else "http"

@@ -15,7 +15,7 @@ from openapi_spec_validator.versions.shortcuts import get_spec_version
 from pigeon_mta.api import problems
 from pigeon_mta.api.server import build_app
 from pigeon_mta.config import Settings
-from pigeon_mta.store.group_commit import GroupCommit
+from pigeon_mta.intake.accept import Intake
 from pigeon_mta.store.webhooks import EVENT_TYPES
 from tests.integration.api_helpers import running_api
 
@@ -31,7 +31,7 @@ async def test_the_document_is_valid_openapi_3_1_with_every_route(pool: asyncpg.
     validate(document)
     assert get_spec_version(document) == openapi_versions.OPENAPIV31
 
-    app = build_app(Settings(), pool, GroupCommit(pool))
+    app = build_app(Settings(), pool, Intake.of(Settings(), pool))
     served = {
         (route.resource.canonical, route.method.lower())
         for route in app.router.routes()

@@ -18,7 +18,7 @@ import trustme
 
 from pigeon_mta.api.server import ApiService
 from pigeon_mta.config import ApiSettings, HostPort, Settings
-from pigeon_mta.store.group_commit import GroupCommit
+from pigeon_mta.intake.accept import Intake
 from tests.conftest import free_port
 from tests.integration.api_helpers import running_api
 
@@ -60,6 +60,6 @@ async def test_a_certificate_that_cannot_be_loaded_stops_the_start(
             listen=HostPort("127.0.0.1", free_port()), tls_cert=str(missing), tls_key=str(missing)
         )
     )
-    service = ApiService(settings, pool, GroupCommit(pool))
+    service = ApiService(settings, pool, Intake.of(settings, pool))
     with pytest.raises(RuntimeError, match=r"cannot load 'api.tls_cert' .* with 'api.tls_key'"):
         await service.start()

@@ -17,6 +17,7 @@ from typing import Any
 import asyncpg
 
 from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.intake.accept import Intake
 from pigeon_mta.submission.service import SubmissionService
 from tests.conftest import run_pigeon
 from tests.integration.submission_helpers import (
@@ -32,7 +33,9 @@ async def receive_over_starttls(tmp_path: Path, pool: asyncpg.Pool, db_url: str)
     tls = make_tls(tmp_path)
     settings = make_settings(tmp_path, db_url, tls, modes=("relay",))
     delivery_log = DeliveryLog.open(str(tmp_path / "delivery.log"))
-    service = SubmissionService(settings, pool, delivery_log=delivery_log)
+    service = SubmissionService(
+        settings, pool, Intake.of(settings, pool, delivery_log=delivery_log)
+    )
     await service.start()
 
     def send() -> str:

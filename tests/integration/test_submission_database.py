@@ -15,6 +15,7 @@ from pathlib import Path
 import asyncpg
 
 from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.intake.accept import Intake
 from pigeon_mta.store import connect as store_connect
 from pigeon_mta.submission.service import SubmissionService
 from tests.integration.submission_helpers import (
@@ -136,9 +137,13 @@ async def test_a_message_committed_after_its_client_hung_up_is_announced(
     log_path = tmp_path / "delivery.log"
     delivery_log = DeliveryLog.open(str(log_path))
     pokes: list[int] = []
-    service = SubmissionService(settings, pool, delivery_log=delivery_log, on_queued=pokes.append)
+    service = SubmissionService(
+        settings,
+        pool,
+        Intake.of(settings, pool, delivery_log=delivery_log, on_queued=pokes.append),
+    )
     await service.start()
-    await service.trusted_org()  # the org row exists, so the lock below holds it
+    await service.intake.trusted_org()  # the org row exists, so the lock below holds it
     blocker = await asyncpg.connect(db_url)
     try:
         lock = blocker.transaction()
@@ -202,10 +207,10 @@ async def test_messages_commit_on_their_own_connections_while_the_main_pool_is_t
     settings = make_settings(tmp_path, db_url, make_tls(tmp_path), modes=("relay",))
     main = await store_connect.create_pool(db_url, settings, size=1)
     commits = await store_connect.commit_pool(db_url, settings)
-    service = SubmissionService(settings, main, commit_pool=commits)
+    service = SubmissionService(settings, main, Intake.of(settings, main, commit_pool=commits))
     await service.start()
     try:
-        await service.trusted_org()  # looked up once, on the main pool
+        await service.intake.trusted_org()  # looked up once, on the main pool
         async with main.acquire() as held:
             assert await held.fetchval("SHOW plan_cache_mode") == "force_custom_plan"
 

@@ -21,6 +21,7 @@ from prometheus_client import REGISTRY
 
 from pigeon_mta.config import Duration, Settings
 from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.intake.accept import Intake
 from pigeon_mta.submission.service import SubmissionService
 from tests.conftest import run_pigeon
 from tests.integration.submission_helpers import (
@@ -235,7 +236,9 @@ async def service_with_delivery_log(
     settings: Settings, pool: asyncpg.Pool, path: Path
 ) -> AsyncIterator[Running]:
     delivery_log = DeliveryLog.open(str(path))
-    service = SubmissionService(settings, pool, delivery_log=delivery_log)
+    service = SubmissionService(
+        settings, pool, Intake.of(settings, pool, delivery_log=delivery_log)
+    )
     await service.start()
     try:
         yield Running(service, pool, settings)

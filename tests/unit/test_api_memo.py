@@ -1,4 +1,4 @@
-"""The API's memory of yes-answers (api/memo.py): what it keeps, for how long, and that waiters
+"""The API's memory of yes-answers (memo.py): what it keeps, for how long, and that waiters
 share one look-up and never keep a failed one."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from pigeon_mta.api.memo import Memo
+from pigeon_mta.memo import Memo
 
 
 class Clock:

@@ -8,6 +8,8 @@ from datetime import UTC, datetime
 import pytest
 
 from pigeon_mta.header_bounds import FieldBounds, FieldProblem
+from pigeon_mta.intake.addresses import Mailbox, parse_mailbox
+from pigeon_mta.intake.fixups import Trace, apply_fixups
 from pigeon_mta.message import (
     HeaderTooLarge,
     UnreadableHeader,
@@ -19,8 +21,6 @@ from pigeon_mta.message import (
     split_at_blank_line,
     split_header,
 )
-from pigeon_mta.submission.addresses import Mailbox, parse_mailbox
-from pigeon_mta.submission.fixups import Trace, apply_fixups
 
 MBOX_LINE = b"From alice@example.com Sun Nov 29 15:00:00 2026\r\n"
 

@@ -6,7 +6,7 @@ import ipaddress
 
 import pytest
 
-from pigeon_mta.submission.addresses import (
+from pigeon_mta.intake.addresses import (
     AddressProblem,
     Mailbox,
     client_address,

@@ -6,8 +6,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from pigeon_mta.submission.authserv import authserv_id, claims_authserv_id
-from pigeon_mta.submission.fixups import Trace, apply_fixups
+from pigeon_mta.intake.authserv import authserv_id, claims_authserv_id
+from pigeon_mta.intake.fixups import Trace, apply_fixups
 
 OURS = [
     "mta.test; dkim=pass",

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pigeon_mta.submission.data import Data, DataProblem, fold_long_lines, read_data
+from pigeon_mta.intake.lines import fold_long_lines
+from pigeon_mta.submission.data import Data, DataProblem, read_data
 
 
 def stuff(lines: list[bytes]) -> bytes:

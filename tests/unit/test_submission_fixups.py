@@ -6,8 +6,8 @@ from datetime import UTC, datetime
 
 import pytest
 
+from pigeon_mta.intake.fixups import Trace, apply_fixups, normalize_line_endings
 from pigeon_mta.submission import replies
-from pigeon_mta.submission.fixups import Trace, apply_fixups, normalize_line_endings
 
 NOW = datetime(2024, 5, 6, 7, 8, 9, tzinfo=UTC)
 

@@ -139,3 +139,9 @@ def in_networks(
     networks: Iterable[ipaddress.IPv4Network | ipaddress.IPv6Network],
 ) -> bool:
     return ip is not None and any(ip.version == net.version and ip in net for net in networks)
+
+
+def mailbox_key(address: str) -> str:
+    """What makes two spellings one mailbox: the local part as written, the domain in any case."""
+    local, _, domain = address.rpartition("@")
+    return f"{local}@{domain.lower()}"

@@ -3,7 +3,7 @@
 The operator's lane comes first of these: the lane of the AUTH user (`pigeon-mta user set USER
 --lane NAME`, or an API key's `--lane`), else the lane of the listener (`lane` of its
 [[listener]]), else the default lane, "transactional". The message's X-Pigeon-Lane field
-(submission/fixups.py takes it out of the message; the API's `lane`) may move it to another lane
+(intake/fixups.py takes it out of the message; the API's `lane`) may move it to another lane
 as `[lanes] header` allows: "lower" (the default) only to a lane that weighs no more than the
 operator's and sends no faster (a lane rate), so that a sender cannot put its campaign in the lane
 of password resets, nor out of the rate the operator gave it; "any" to any
@@ -11,7 +11,7 @@ lane; "off" not at all (the field is removed and not read). A field the policy d
 leaves the operator's lane, with a line in the log.
 
 A name in the field is compared without case and surrounding space. The field asks for a lane by
-name, so a name the server does not have is refused (550 5.7.0): a typo must not move mail into
+name, so a name the server does not have is refused: a typo must not move mail into
 another lane unnoticed. Several fields must agree; an empty one says nothing (an application
 template whose lane variable is unset) and is removed like the others.
 
@@ -27,8 +27,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pigeon_mta.config import DEFAULT_LANE, LaneHeader, LaneSettings
-from pigeon_mta.submission import replies
+from pigeon_mta.config import API_KEY_USER_PREFIX, DEFAULT_LANE, LaneHeader, LaneSettings
+from pigeon_mta.intake.refusal import Reason, Refusal
 
 log = logging.getLogger("pigeon_mta.submission")
 
@@ -39,7 +39,7 @@ _SHOWN = 64
 @dataclass(frozen=True)
 class LaneChoice:
     lane: str  # the lane to store, or "" with `refusal` set
-    refusal: str | None = None  # the reply for a field that names no lane
+    refusal: Refusal | None = None  # a field (or the request's lane) that names no lane
     # Why a field's lane was not followed (`[lanes] header`), for the log; None when it was.
     overruled: str | None = None
 
@@ -52,29 +52,36 @@ def choose_lane(
     listener_lane: str,
     lanes: Mapping[str, LaneSettings],
     header: LaneHeader = "lower",
+    asked: str | None = None,
 ) -> LaneChoice:
     """The lane of a message, from its X-Pigeon-Lane `fields` (the values, in order), its AUTH
     `user` and that user's lane, its listener's lane ("" for none) and the `header` policy; see
-    the module docstring."""
+    the module docstring. `asked`: the lane the submission names itself (the HTTP API's `lane`),
+    which stands for the fields and must name a lane."""
     operators = _operators_lane(user, user_lane, listener_lane, lanes)
     if header == "off":
         return LaneChoice(operators)
+    if asked is not None:
+        if asked.strip().lower() not in lanes:
+            return LaneChoice(
+                "", Refusal(Reason.UNKNOWN_LANE, lanes=(_shown(asked),), asked_by_request=True)
+            )
+        fields = (asked,)
     named = list(dict.fromkeys(v.strip().lower() for v in fields if v.strip()))
     if len(named) > 1:
-        shown = ", ".join(_printable(n) for n in named)
-        return LaneChoice("", replies.LANES_DIFFER.format(lanes=_cut(shown)))
+        return LaneChoice("", Refusal(Reason.LANES_DIFFER, lanes=tuple(map(_shown, named))))
     if not named:
         return LaneChoice(operators)
-    asked = named[0]
-    if asked not in lanes:
-        return LaneChoice("", replies.UNKNOWN_LANE.format(lane=_cut(_printable(asked))))
-    if header == "lower" and asked != operators and not _no_more(lanes, asked, operators):
+    wanted = named[0]
+    if wanted not in lanes:
+        return LaneChoice("", Refusal(Reason.UNKNOWN_LANE, lanes=(_shown(wanted),)))
+    if header == "lower" and wanted != operators and not _no_more(lanes, wanted, operators):
         return LaneChoice(
             operators,
-            overruled=f"X-Pigeon-Lane '{asked}' weighs more, or sends faster, than the lane "
+            overruled=f"X-Pigeon-Lane '{wanted}' weighs more, or sends faster, than the lane "
             f"'{operators}' the operator set (lanes.header = lower)",
         )
-    return LaneChoice(asked)
+    return LaneChoice(wanted)
 
 
 def _operators_lane(
@@ -105,19 +112,22 @@ def _warn_stale_user_lane(user: str, lane: str) -> None:
     if (user, lane) in _warned:
         return
     _warned.add((user, lane))
+    hint = (
+        "an API key's lane is set when it is made: make a new key"
+        if user.startswith(API_KEY_USER_PREFIX)
+        else f"set it with: pigeon-mta user set {user} --lane NAME"
+    )
     log.warning(
-        "user %s has the lane '%s', which is not a lane of [lanes] any more: its mail goes to "
-        "the listener's lane or '%s' (set it with: pigeon-mta user set %s --lane NAME)",
-        user,
+        "%s has the lane '%s', which is not a lane of [lanes] any more: its mail goes to "
+        "the listener's lane or '%s' (%s)",
+        user if user.startswith(API_KEY_USER_PREFIX) else f"user {user}",
         lane,
         DEFAULT_LANE,
-        user,
+        hint,
     )
 
 
-def _printable(text: str) -> str:
-    return "".join(c if " " <= c <= "~" else "?" for c in text)
-
-
-def _cut(text: str) -> str:
+def _shown(name: str) -> str:
+    """A name from the client as a reply may repeat it: printable ASCII, at most _SHOWN long."""
+    text = "".join(c if " " <= c <= "~" else "?" for c in name)
     return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."

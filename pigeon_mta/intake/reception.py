@@ -1,8 +1,9 @@
 """A queued message's `Reception` and its report: the "queued" log line and the accepted counter;
 and the report of the recipients a retried submission named again (store/duplicates.py).
 
-The SMTP handler and the HTTP API build the Reception once the commit has succeeded and, before
-they answer, `announce` writes the delivery log's reception records beside this report.
+The intake (accept.py) builds the Reception before the commit and, once it has succeeded and
+before the door answers, `announce` writes the delivery log's reception records beside this
+report.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
 
 from pigeon_mta import model
 from pigeon_mta.deliverylog import DeliveryLog
@@ -23,72 +23,60 @@ log = logging.getLogger("pigeon_mta.submission")
 
 @dataclass(frozen=True)
 class Reception:
-    """Everything known about a message when its commit has succeeded, before the 250 goes out."""
+    """A message ready for its commit, or committed: its queue id and its envelope."""
 
     queue_id: uuid.UUID
-    org_id: uuid.UUID
-    listener: str
-    client_ip: str
-    helo: str | None
-    auth_user: str | None
-    sender: str  # "" is the null sender
-    recipients: tuple[str, ...]
-    size: int
-    header_message_id: str | None  # the Message-ID header value, without angle brackets
-    tls: str | None  # "TLSv1.3 TLS_AES_256_GCM_SHA384", None without TLS
-    received_at: datetime
+    envelope: model.Envelope
     # MAIL's AUTH= (RFC 4954 section 5), as the client claimed it: "" for AUTH=<>, None if absent.
     auth_param: str | None = None
-    lane: str = "transactional"  # the lane it is delivered in (submission/lanes.py)
 
 
 def record_reception(reception: Reception) -> None:
-    MESSAGES_ACCEPTED.labels(listener=reception.listener).inc()
+    envelope = reception.envelope
+    MESSAGES_ACCEPTED.labels(listener=envelope.listener).inc()
     auth_param = "" if reception.auth_param is None else f" auth=<{reception.auth_param}>"
     log.info(
         "queued %s listener=%s client=[%s] user=%s from=<%s> nrcpt=%d size=%d message-id=<%s> "
         "lane=%s%s",
         reception.queue_id,
-        reception.listener,
-        reception.client_ip,
-        reception.auth_user or "-",
-        reception.sender,
-        len(reception.recipients),
-        reception.size,
-        reception.header_message_id or "",
-        reception.lane,
+        envelope.listener,
+        envelope.client_ip or "unknown",
+        envelope.auth_user or "-",
+        envelope.sender,
+        len(envelope.recipients),
+        len(envelope.body),
+        envelope.header_message_id or "",
+        envelope.lane,
         auth_param,
     )
 
 
 def record_duplicates(reception: Reception, duplicates: Duplicates) -> None:
     """Recipients not queued again: queued under the same Message-ID within the window."""
-    DUPLICATE_RECIPIENTS.labels(listener=reception.listener).inc(len(duplicates.originals))
+    envelope = reception.envelope
+    DUPLICATE_RECIPIENTS.labels(listener=envelope.listener).inc(len(duplicates.originals))
     log.info(
         "duplicate: %d of %d recipient(s) of message-id=<%s> listener=%s client=[%s] user=%s "
         "from=<%s> were queued already as %s within limits.duplicate_window, not queued again",
         len(duplicates.originals),
-        len(reception.recipients),
-        reception.header_message_id or "",
-        reception.listener,
-        reception.client_ip,
-        reception.auth_user or "-",
-        reception.sender,
+        len(envelope.recipients),
+        envelope.header_message_id or "",
+        envelope.listener,
+        envelope.client_ip or "unknown",
+        envelope.auth_user or "-",
+        envelope.sender,
         ", ".join(str(q) for q in sorted(set(duplicates.originals.values()))),
     )
 
 
 def announce(
-    message: model.Envelope,
-    reception: Reception,
-    duplicates: Duplicates | None,
-    *,
-    delivery_log: DeliveryLog | None,
+    reception: Reception, duplicates: Duplicates | None, *, delivery_log: DeliveryLog | None
 ) -> uuid.UUID:
     """After the commit (the group commit has handed the message to an engine or woken the
     engines): write the Reception (and Duplicate) records and the log lines. Returns the queue id
     to answer: the message's, or that of the message queued first when every recipient was a
     duplicate."""
+    message = reception.envelope
     if duplicates is not None:
         if delivery_log is not None:
             delivery_log.duplicates(message, duplicates)
@@ -97,7 +85,7 @@ def announce(
         if not queued:
             return duplicates.reply_id
         message = dataclasses.replace(message, recipients=queued)
-        reception = dataclasses.replace(reception, recipients=queued)
+        reception = dataclasses.replace(reception, envelope=message)
     if delivery_log is not None:
         delivery_log.reception(reception.queue_id, message)
     record_reception(reception)

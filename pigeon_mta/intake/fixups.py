@@ -17,6 +17,8 @@ from email.utils import format_datetime
 
 import authres
 
+from pigeon_mta.intake.authserv import claims_authserv_id
+from pigeon_mta.intake.lines import normalize_line_endings
 from pigeon_mta.message import (
     CRLF,
     ORIGINATOR_FIELDS,
@@ -25,25 +27,11 @@ from pigeon_mta.message import (
     message_id_of,
     split_header,
 )
-from pigeon_mta.submission.authserv import claims_authserv_id
 
 # The field a client names the lane of its message with (submission/lanes.py).
 LANE_FIELD = b"x-pigeon-lane"
 
-_LONE_EOL = re.compile(rb"\r\n|\r|\n")
 _HELO_UNSAFE = re.compile(r"[^\x21-\x27\x2a-\x5b\x5d-\x7e]")  # no space, parentheses, backslash
-
-
-def normalize_line_endings(data: bytes) -> bytes:
-    """Every bare LF or CR becomes CRLF.
-
-    A bare LF is where SMTP smuggling hides ("\\n.\\r\\n" read as end-of-data by a later hop), and
-    many applications send bare LFs in good faith: normalizing serves both.
-    """
-    crlf = data.count(CRLF)
-    if data.count(b"\n") == crlf and data.count(b"\r") == crlf:
-        return data
-    return _LONE_EOL.sub(CRLF, data)
 
 
 class TooManyHops(Exception):
