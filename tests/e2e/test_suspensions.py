@@ -43,14 +43,17 @@ async def test_suspended_mail_waits_on_both_nodes_until_resumed_or_its_time_ends
     await asyncio.to_thread(
         pigeon, db_url, "queue", "suspend", "--org", "suspect", "--reason", "abuse review"
     )
-    await asyncio.to_thread(
-        pigeon, db_url, "queue", "suspend", "--domain", "B.test", "--for", "6s", "--reason", "move"
-    )
     nodes = [
         await start_node(node_config(tmp_path / n, db_url, n, sinks, processes=1), 1)
         for n in ("node-a", "node-b")
     ]
     try:
+        # Set once the nodes run (their start on a loaded host must not eat its time), and long
+        # enough for the checks below to come well before it ends.
+        await asyncio.to_thread(
+            pigeon, db_url, "queue", "suspend", "--domain", "B.test", "--for", "15s",
+            "--reason", "move",
+        )  # fmt: skip
         await queue_to(pool, acme, "a.test", COUNT)  # the suspended org's
         await queue_to(pool, org_id, "b.test", COUNT)  # to the suspended domain
         await queue_to(pool, org_id, "c.test", COUNT)  # neither
@@ -72,7 +75,7 @@ async def test_suspended_mail_waits_on_both_nodes_until_resumed_or_its_time_ends
         assert "suspended by an operator: abuse review" in story, story
 
         # The domain's suspension ends by itself; the org's when it is resumed.
-        await b_sink.wait_for(lambda: len(b_sink.messages) >= COUNT, timeout=30)
+        await b_sink.wait_for(lambda: len(b_sink.messages) >= COUNT, timeout=45)
         assert not a_sink.messages
         resumed = await asyncio.to_thread(pigeon, db_url, "queue", "resume", "--org", "suspect")
         assert "resumed" in resumed
