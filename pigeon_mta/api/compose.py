@@ -317,8 +317,14 @@ def _media_type(value: str, field: str) -> tuple[str, tuple[tuple[str, str], ...
 # ---------------------------------------------------------------- addresses
 
 
-def _address(value: object, field: str) -> tuple[Mailbox, str]:
-    """A mailbox and its display name from "addr@example.com" or "Name <addr@example.com>"."""
+def _address(value: object, field: str, *, header: bool = True) -> tuple[Mailbox, str]:
+    """A mailbox and its display name from "addr@example.com" or "Name <addr@example.com>".
+
+    As the SMTP listeners take it with SMTPUTF8: a domain in U-labels is written in A-labels,
+    and a local part may be UTF-8 (RFC 6531), which the destination must then offer. A `header`
+    address (JSON's fields, written into the message) must have an ASCII local part: the fields
+    are written with RFC 2047 encoded words, which cannot carry one. A raw message's header is
+    the client's, and its envelope addresses (`from`, `to`) may have UTF-8 local parts."""
     if not isinstance(value, str):
         raise Problem(problems.INVALID_FIELD, f"The field '{field}' must be a string address.")
     _check_value(value, field)
@@ -328,8 +334,15 @@ def _address(value: object, field: str) -> tuple[Mailbox, str]:
         name = name.strip()
         if len(name) >= 2 and name[0] == name[-1] == '"':
             name = name[1:-1]
-    parsed = parse_mailbox(text, smtputf8=False)
+    parsed = parse_mailbox(text, smtputf8=True)
     if isinstance(parsed, Mailbox):
+        if header and not parsed.local.isascii():
+            raise Problem(
+                problems.INVALID_ADDRESS,
+                f"The address '{shown(text)}' in '{field}' has a non-ASCII local part, which a "
+                "JSON message cannot carry in its header: send it as message/rfc822, with the "
+                "header written as RFC 6532 allows.",
+            )
         return parsed, name
     reason = {
         AddressProblem.SYNTAX: "is not a valid address",
@@ -378,11 +391,11 @@ def from_raw(body: bytes, sender: list[str], to: list[str], limits: LimitsSettin
             f"The request names {len(to)} recipients; limits.max_recipients allows "
             f"{limits.max_recipients}.",
         )
-    mailbox, _name = _address(sender[0], "from")
+    mailbox, _name = _address(sender[0], "from", header=False)
     if not to:
         raise Problem(problems.INVALID_FIELD, "The query parameter 'to' is missing.")
     recipients = _envelope_recipients(
-        [_address(t, f"to[{i}]")[0] for i, t in enumerate(to)], limits
+        [_address(t, f"to[{i}]", header=False)[0] for i, t in enumerate(to)], limits
     )
     _check_size(body, limits)
     data = normalize_line_endings(body)

@@ -34,6 +34,7 @@ class ProblemType:
         return TYPE_PREFIX + self.slug
 
 
+INVALID_REQUEST = ProblemType("invalid-request", 400, "The request cannot be read as HTTP")
 INVALID_JSON = ProblemType("invalid-json", 400, "The request body is not valid JSON")
 INVALID_MESSAGE = ProblemType(
     "invalid-message", 400, "The message is not a readable RFC 5322 message"
@@ -76,6 +77,7 @@ BUSY = ProblemType(
 )
 
 ALL = (
+    INVALID_REQUEST,
     INVALID_JSON,
     INVALID_MESSAGE,
     INVALID_PARAMETER,
@@ -165,3 +167,12 @@ def shown(text: str, limit: int = 64) -> str:
     """Client text made safe to repeat in a detail: printable, and not too long."""
     text = "".join(c if c.isprintable() else "?" for c in text)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def parser_refusal(status: int, message: str) -> web.Response:
+    """The answer to a request aiohttp's parser refused before the API saw it (a header line
+    over 8,190 bytes, an unknown Content-Encoding, both Content-Length and Transfer-Encoding):
+    problem+json like every other answer, with what the parser said."""
+    kind = {400: INVALID_REQUEST, 408: REQUEST_TIMEOUT, 413: TOO_LARGE}.get(status, INTERNAL_ERROR)
+    said = " ".join(message.split()) or kind.title
+    return Problem(kind, f"The request was refused as it was read: {shown(said, 200)}").response()

@@ -293,6 +293,7 @@ class ApiService:
             settings.api.listen,
             reuse_port=True,
             keepalive_timeout=settings.api.read_timeout,
+            error_response=problems.parser_refusal,
         )
 
     async def start(self) -> None:

@@ -283,3 +283,32 @@ async def test_a_chunked_body_without_a_length_is_read_and_queued(
             assert answer.status == 202, await answer.text()
             assert answer.request_info.headers.get("Transfer-Encoding") == "chunked"
     assert await pool.fetchval("SELECT count(*) FROM message") == 1
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        "GET /v1/messages HTTP/1.1\r\nHost: x\r\nX-Long: " + "a" * 9000 + "\r\n\r\n",
+        "POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Content-Encoding: br\r\nContent-Length: 2\r\n\r\n{}",
+        "POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n{}",
+        "GET /v1/mess\x00ages HTTP/1.1\r\nHost: x\r\n\r\n",
+        "FROB /v1/messages HTTP/1.1\r\nHost: x\r\n\r\n",
+    ],
+    ids=["header-line-over-8190", "brotli", "length-and-chunked", "nul-in-path", "no-method"],
+)
+async def test_what_the_http_parser_refuses_is_a_problem_too(
+    api: Api, pool: asyncpg.Pool, head: str
+) -> None:
+    """Refused by aiohttp's parser before any handler runs, and still answered as every other
+    refusal is (problem+json, its status, what was wrong), never as plain text."""
+    answer, _closed = await _head_only(api, head)
+    status_line, rest = answer.split(b"\r\n", 1)
+    assert status_line.split()[1].startswith(b"4"), answer[:200]
+    fields = email.message_from_bytes(rest.split(b"\r\n\r\n", 1)[0])
+    assert fields["Content-Type"] == problems.CONTENT_TYPE
+    problem = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+    assert problem["status"] == int(status_line.split()[1]) and problem["detail"]
+    assert problem["type"].startswith(TYPE_PREFIX)
+    assert await pool.fetchval("SELECT count(*) FROM message") == 0

@@ -132,6 +132,34 @@ async def test_a_raw_message_keeps_its_bytes_and_takes_the_envelope_from_the_que
     assert [r["address"] for r in answer["recipients"]] == ["ann@dest.example", "cat@dest.example"]
 
 
+async def test_addresses_take_the_rules_of_an_smtputf8_submission(
+    api: Api, pool: asyncpg.Pool
+) -> None:
+    """As the SMTP listeners do with SMTPUTF8: a U-label domain is queued in A-labels, and a raw
+    message's envelope may name a UTF-8 local part (RFC 6531; delivered where the destination
+    offers SMTPUTF8, outbound/attempt.py)."""
+    status, _headers, body = await post(api, _json(to=["Anna <anna@Bücher.example>"]))
+    assert status == 202, body
+    queued = json.loads(body)
+    assert queued["recipients"][0]["address"] == "anna@xn--bcher-kva.example"
+    row = await pool.fetchrow(
+        "SELECT body FROM message WHERE id = $1", uuid.UUID(queued["queue_id"])
+    )
+    assert b"To: Anna <anna@xn--bcher-kva.example>\r\n" in bytes(row["body"])
+
+    raw = "From: shop@acme.example\r\nTo: jürgen@dest.example\r\nSubject: eai\r\n\r\nhi\r\n"
+    status, _headers, body = await post(
+        api,
+        raw.encode(),
+        content_type="message/rfc822",
+        params=[("from", "shop@acme.example"), ("to", "jürgen@dest.example")],
+    )
+    assert status == 202, body
+    assert [r["address"] for r in json.loads(body)["recipients"]] == ["jürgen@dest.example"]
+    domains = await pool.fetch("SELECT DISTINCT domain FROM recipient ORDER BY domain")
+    assert [d["domain"] for d in domains] == ["dest.example", "xn--bcher-kva.example"]
+
+
 def _json(**changes: Any) -> dict[str, Any]:
     request = {**GOOD, **changes}
     return {k: v for k, v in request.items() if v is not None}
