@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.e2e import children, peak_rss_mb, with_db, write_config  # noqa: E402
-from pigeon_mta.store import leases  # noqa: E402
+from pigeon_mta.store import claims  # noqa: E402
 from pigeon_mta.store.migrate import migrate  # noqa: E402
 from pigeon_mta.store.orgs import ensure_org  # noqa: E402
 
@@ -45,7 +45,7 @@ async def claim_latency_ms(conn: asyncpg.Connection, rounds: int = 50) -> float:
     times = []
     for _ in range(rounds):
         began = time.perf_counter()
-        await leases.claim_due_recipients(conn, owner="memory-bench", lease=300.0, batch=100)
+        await claims.claim_due_recipients(conn, owner="memory-bench", lease=300.0, batch=100)
         times.append((time.perf_counter() - began) * 1000)
     return statistics.median(times)
 

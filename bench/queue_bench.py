@@ -32,7 +32,7 @@ from pigeon_mta.config import Settings
 from pigeon_mta.ids import new_id
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
 from pigeon_mta.outbound.claims import group_deliveries
-from pigeon_mta.store import leases, queue
+from pigeon_mta.store import claims, queue
 from pigeon_mta.store.connect import server_settings
 from pigeon_mta.store.duplicates import enqueue_submitted
 from pigeon_mta.store.group_commit import MAX_COMMITS, GroupCommit
@@ -210,7 +210,7 @@ async def claim_record(
 
     async def run(i: int, conn: asyncpg.Connection) -> None:
         while sum(taken) < count and time.monotonic() < deadline:
-            claimed = await leases.claim_due_recipients(
+            claimed = await claims.claim_due_recipients(
                 conn, owner=f"bench-{i}", lease=300, batch=100, lane_weights=LANE_WEIGHTS
             )
             batch = group_deliveries(claimed.rows)
@@ -218,7 +218,7 @@ async def claim_record(
                 return
             if record:
                 now = datetime.now(UTC)
-                await outcomes.record_attempts(
+                await outcomes.record_outcomes(
                     conn,
                     [
                         AttemptResult(
@@ -448,7 +448,7 @@ async def fair_part(
     await load_due(conn, other, 20)
     await settle(conn)
     began = time.perf_counter()
-    claimed = await leases.claim_due_recipients(
+    claimed = await claims.claim_due_recipients(
         conn, owner="bench-fair", lease=300, batch=100, lane_weights=LANE_WEIGHTS
     )
     took = time.perf_counter() - began

@@ -391,7 +391,7 @@ class LaneSettings:
 
 
 # `[lanes] header`: how far a message's X-Pigeon-Lane field (the API's `lane`) may move it from
-# the lane the operator set (submission/lanes.py).
+# the lane the operator set (intake/lanes.py).
 LaneHeader = Literal["any", "lower", "off"]
 LANE_HEADER_POLICIES: tuple[LaneHeader, ...] = ("any", "lower", "off")
 

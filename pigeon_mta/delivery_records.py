@@ -6,7 +6,7 @@ submission named the recipient again and it was not queued again (store/duplicat
 record has the contract fields (`EVENT_FIELDS`) in that order, then a few extras. The same events are in the database (the
 message row and the attempt rows); `pigeon-mta log --json` rebuilds them from there with the same
 functions, so the file and the command never disagree on a field (but for free text shortened on
-stdout, see deliverylog.py).
+stdout, see delivery_log.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from pigeon_mta.model import EVENT_TYPE, AttemptResult, Delivery, Envelope, Outcome
+from pigeon_mta.model import EVENT_TYPE, AttemptResult, Delivery, Envelope, Outcome, message_kind
 from pigeon_mta.store.duplicates import DuplicateRecord, Duplicates
 from pigeon_mta.store.events import AttemptRecord, MessageStory
 
@@ -139,9 +139,11 @@ def _reception_extra(
     listener: str, helo: str | None, auth_user: str | None, size: int, lane: str | None = None
 ) -> dict[str, Any]:
     """`lane`: the lane the message is delivered in (None for a Duplicate, which queued
-    nothing)."""
+    nothing). `kind`: "dsn" for a delivery status notification pigeon-mta made, else
+    "message" (model.message_kind, as the API and webhook events say)."""
     return {
         "listener": listener,
+        "kind": message_kind(listener),
         "helo": helo,
         "auth_user": auth_user,
         "size": size,

@@ -30,6 +30,15 @@ def ascii_domain(domain: str) -> str:
         raise ValueError(f"{domain!r} is not a valid domain name: {exc}") from None
 
 
+def routing_domain(domain: str) -> str:
+    """A recipient's domain as it is grouped, routed and limited: `ascii_domain`, or lower case
+    alone for a name DNS cannot carry (its routing then fails and says why)."""
+    try:
+        return ascii_domain(domain)
+    except ValueError:
+        return domain.lower()
+
+
 def normalize_domain(text: str) -> str | None:
     """A host name as written in an address or given to a command, in the spelling of
     `ascii_domain`; None when it is not a host name (a final dot, an empty or non-LDH label, an

@@ -3,7 +3,7 @@
 A recipient that becomes `bounced` or `expired` and the DSN that tells its sender commit together:
 a crash can lose neither alone. The DSN is an ordinary queued message (null sender, org of the
 original), so it is delivered, retried and logged like any other mail. The store reads the
-recipients (store/bounces.py) and queues what is built here (bounce.py writes the bytes).
+recipients (store/dsn.py) and queues what is built here (dsn.py writes the bytes).
 
 One DSN never costs the others, nor the outcomes they report: a DSN that cannot be built from
 what the recipients' replies say is built again from their plain ASCII (`Reply.plain`), and one
@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
-from pigeon_mta.bounce import (
+from pigeon_mta.dsn import (
     EXPIRED_STATUS,
     MAX_ORIGINAL_HEADER_BYTES,
     OriginalMessage,
@@ -36,10 +36,10 @@ from pigeon_mta.ids import new_id
 from pigeon_mta.metrics import DSN_FAILURES
 from pigeon_mta.model import Envelope, Status
 from pigeon_mta.plain import plain_error, plain_text
-from pigeon_mta.store import bounces as store_bounces
+from pigeon_mta.store import dsn as store_dsn
 from pigeon_mta.store import queue as store_queue
 from pigeon_mta.store import upkeep as store_upkeep
-from pigeon_mta.store.bounces import ReportedRecipient
+from pigeon_mta.store.dsn import ReportedRecipient
 from pigeon_mta.store.errors import is_bad_input
 from pigeon_mta.store.executor import Executor, transaction
 from pigeon_mta.store.upkeep import ExpiredRecipient, LaneMaxAge
@@ -60,7 +60,7 @@ async def queue_bounces(
     Recipients of null-sender mail (DSNs themselves) are skipped: a bounce is never bounced.
     Call it in the transaction that made the recipients final.
     """
-    reported = await store_bounces.reported_recipients(db, recipient_ids, head_bytes=_HEAD_BYTES)
+    reported = await store_dsn.reported_recipients(db, recipient_ids, head_bytes=_HEAD_BYTES)
     failed = [r for r in reported if r.status in (Status.BOUNCED, Status.EXPIRED)]
     dsns: list[tuple[uuid.UUID, Envelope]] = []
     for original, recipients in _per_original(failed):
@@ -127,10 +127,10 @@ async def warn_delayed(
     happen."""
     own = {lane.lane: lane.max_age for lane in lane_max_ages}
     async with transaction(db) as conn:
-        marked = await store_bounces.mark_delayed(conn, after=after, limit=limit)
+        marked = await store_dsn.mark_delayed(conn, after=after, limit=limit)
         if not marked:
             return Warned(recipients=0, warnings=[])
-        reported = await store_bounces.reported_recipients(conn, marked, head_bytes=_HEAD_BYTES)
+        reported = await store_dsn.reported_recipients(conn, marked, head_bytes=_HEAD_BYTES)
         dsns: list[tuple[uuid.UUID, Envelope]] = []
         for original, recipients in _per_original(reported):
             until = min(

@@ -30,6 +30,12 @@ def _uuid7(millis: int, rand: int) -> uuid.UUID:
     return uuid.UUID(int=value)
 
 
+def id_floor(unix_time: float) -> uuid.UUID:
+    """The smallest UUIDv7 made at `unix_time`: every id made earlier sorts below it."""
+    millis = max(0, int(unix_time * 1000))
+    return uuid.UUID(int=(millis << 80) | (0x7 << 76) | (0b10 << 62))
+
+
 def id_time(value: uuid.UUID) -> float:
     """The Unix time (seconds) a UUIDv7 was made."""
     return (value.int >> 80) / 1000.0

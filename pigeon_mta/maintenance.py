@@ -7,7 +7,7 @@ Each task of a round stands alone: one that fails for anything but the database 
 logged, counted in `pigeon_maintenance_failures_total{task}`, and the round goes on with the next,
 so that a bug or a bad row in one (a DSN nobody can build) never stops the others (retention,
 expiry, the duplicate window) on every node. Within a task, one bad row is the task's to skip
-(notices.py leaves out a DSN it cannot build or queue).
+(dsn_queue.py leaves out a DSN it cannot build or queue).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any
 
 import asyncpg
 
-from pigeon_mta import metrics, notices
+from pigeon_mta import dsn_queue, metrics
 from pigeon_mta.config import Settings
-from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.delivery_log import DeliveryLog
 from pigeon_mta.store import duplicates as store_duplicates
 from pigeon_mta.store import events as store_events
 from pigeon_mta.store import leases as store_leases
@@ -107,9 +107,9 @@ class Maintenance:
             )
 
     async def _expire(self) -> None:
-        # Expiry and the DSNs it owes the senders commit together (notices.py).
+        # Expiry and the DSNs it owes the senders commit together (dsn_queue.py).
         expired = (
-            await notices.expire_and_bounce(
+            await dsn_queue.expire_and_bounce(
                 self.pool,
                 max_age=self.settings.delivery.max_age,
                 max_age_text=format_duration(self.settings.delivery.max_age),
@@ -140,7 +140,7 @@ class Maintenance:
     async def _warn_delayed(self) -> None:
         warn_after = self.settings.bounces.delay_warning_after
         if warn_after > 0:
-            warned = await notices.warn_delayed(
+            warned = await dsn_queue.warn_delayed(
                 self.pool,
                 after=warn_after,
                 max_age=self.settings.delivery.max_age,

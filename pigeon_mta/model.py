@@ -54,7 +54,7 @@ EVENT_TYPE = {
 }
 
 
-# The listener name recorded on DSNs (bounce.py builds them), which no client submitted.
+# The listener name recorded on DSNs (dsn.py builds them), which no client submitted.
 DSN_LISTENER = "bounce"
 
 
@@ -92,7 +92,7 @@ class Envelope:
     # a duplicate only with the same content (store/duplicates.py).
     content_key: bytes | None = None
     # The lane it is delivered in ([lanes] in the settings), chosen at reception
-    # (submission/lanes.py); stored on the message and on each of its recipients.
+    # (intake/lanes.py); stored on the message and on each of its recipients.
     lane: str = "transactional"
     # Set by the group commit when this process's engine takes the message as it is committed
     # (store/group_commit.py): its recipients are queued already claimed by that engine.

@@ -1,6 +1,6 @@
 """The site controller: how a site's cluster-wide rate and sessions follow what its servers say.
 Pure: a budget's state in, its next state out, at a time the caller gives (the database's, read
-once the budget's row is locked: store/site_control.py reads and writes the state under that
+once the budget's row is locked: store/controls.py reads and writes the state under that
 lock, so every engine of every node drives the same controller). Beside it, each process's
 adaptive concurrency (outbound/adaptive.py) applies slow start and latency feedback within the
 sessions this controller allows.

@@ -20,7 +20,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
-from pigeon_mta import app, metrics, node, ports
+from pigeon_mta import app, metrics, node, node_start, ports
 from pigeon_mta.app import Service
 from pigeon_mta.config import Settings
 from pigeon_mta.logs import configured_level, setup_logging
@@ -121,7 +121,7 @@ class Supervisor:
         log.info("database: %s", location.description)
         for warning in config_warnings(settings):
             log.warning("%s", warning)
-        await app.prepare_database(settings, location.url, run, lock)
+        await node_start.prepare_database(settings, location.url, run, lock)
         count = process_count(settings, processes)
         log.info(
             "node %s serving with %d process(es) as run %s; config: %s",

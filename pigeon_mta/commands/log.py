@@ -10,7 +10,7 @@ from typing import Any
 from pigeon_mta.commands.common import CliError, add_common, format_age, open_database, print_rows
 from pigeon_mta.delivery_records import story_records, to_json_line
 from pigeon_mta.logs import printable
-from pigeon_mta.model import EVENT_TYPE, Outcome
+from pigeon_mta.model import EVENT_TYPE, Outcome, message_kind
 from pigeon_mta.store import events as store_events
 from pigeon_mta.store.duplicates import DuplicateRecord
 from pigeon_mta.store.events import AttemptRecord, MessageStory, RecipientRecord
@@ -73,6 +73,9 @@ def print_story(story: MessageStory, now: datetime) -> None:
         "Message-ID": f"<{m.header_message_id}>" if m.header_message_id else "(none)",
         "org": m.org_name,
         "from": m.sender or "<> (null sender)",
+        "kind": "a delivery status notification (DSN) pigeon-mta made for mail that failed"
+        if message_kind(m.listener) == "dsn"
+        else "message",
         "received": _reception(story),
         "recipients": ", ".join(r.address for r in story.recipients) or "(none)",
     }

@@ -1,7 +1,7 @@
 """`user add|list|set|passwd|disable|enable|delete`: SMTP AUTH users.
 
 The username rule (which characters, which names count as the same) is in store/credentials.py.
-A user's lane is the lane of the mail it sends unless a message names one (submission/lanes.py).
+A user's lane is the lane of the mail it sends unless a message names one (intake/lanes.py).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import asyncpg
 
 from pigeon_mta import model
 from pigeon_mta.config import Settings
-from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.delivery_log import DeliveryLog
 from pigeon_mta.ids import new_id, new_ids
 from pigeon_mta.intake.fixups import Fixed, TooManyHops, Trace, apply_fixups
 from pigeon_mta.intake.lanes import choose_lane

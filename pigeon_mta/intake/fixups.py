@@ -2,7 +2,7 @@
 
 Line endings become CRLF, a missing Message-ID or Date is added at the end of the header, and a
 Received and an Authentication-Results header (RFC 8601, built with authres) go on top. The
-X-Pigeon-Lane fields, a request to pigeon-mta itself (submission/lanes.py), are taken out, so that
+X-Pigeon-Lane fields, a request to pigeon-mta itself (intake/lanes.py), are taken out, so that
 they are never signed or delivered. Nothing else in the message is touched.
 """
 
@@ -28,7 +28,7 @@ from pigeon_mta.message import (
     split_header,
 )
 
-# The field a client names the lane of its message with (submission/lanes.py).
+# The field a client names the lane of its message with (intake/lanes.py).
 LANE_FIELD = b"x-pigeon-lane"
 
 _HELO_UNSAFE = re.compile(r"[^\x21-\x27\x2a-\x5b\x5d-\x7e]")  # no space, parentheses, backslash
@@ -80,7 +80,7 @@ def apply_fixups(
     """The message as queued. Raises message.HeaderTooLarge past `max_header_size`, TooManyHops
     when the message holds `max_hops` Received fields already, ours to come (0: no limit).
     `top`: the trace fields to put on top instead of the Received and Authentication-Results of
-    an SMTP submission (the HTTP API writes its own, api/trace.py)."""
+    an SMTP submission (the HTTP API writes its own, intake/accept.py http_trace)."""
     data = normalize_line_endings(data)
     if data and not data.endswith(CRLF):
         data += CRLF

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 
 from pigeon_mta import model
-from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.delivery_log import DeliveryLog
 from pigeon_mta.metrics import DUPLICATE_RECIPIENTS, MESSAGES_ACCEPTED
 from pigeon_mta.store.duplicates import Duplicates
 

@@ -97,9 +97,6 @@ class SmtpConnection:
     def supports(self, extension: str) -> bool:
         return self.client.supports_extension(extension)
 
-    def extension_value(self, extension: str) -> str:
-        return self.client.esmtp_extensions.get(extension.lower(), "")
-
     def note_tls(self) -> None:
         ssl_object = self.client.get_transport_info("ssl_object")
         if ssl_object is not None:

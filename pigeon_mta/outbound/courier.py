@@ -1,4 +1,4 @@
-"""One delivery: sign -> route -> the destination's limits -> one SMTP transaction -> judged results.
+"""One delivery: route -> the destination's limits -> sign -> one SMTP transaction -> judged results.
 
 `Courier.deliver` answers with values: each recipient's AttemptResult, or `Postponed` when the
 destination has no room now. Nothing escapes it but cancellation: an unexpected error defers the
@@ -8,7 +8,6 @@ recipients (a bug must not lose mail) and is logged.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
 import uuid
@@ -49,6 +48,12 @@ log = logging.getLogger(__name__)
 
 Signer = Callable[[Delivery], Awaitable[Signed]]
 
+
+async def unsigned(delivery: Delivery) -> Signed:
+    """The default sign step: the body as queued (the DKIM signer replaces it)."""
+    return Signed(delivery.body)
+
+
 # The peer of results that never reached one.
 NO_PEER = Peer(None, None, None)
 
@@ -75,7 +80,7 @@ class Courier:
         router: Router,
         rng: random.Random,
         on_data_sent: Callable[[Iterable[uuid.UUID]], None],
-        budgets: Callable[[ConnectionPool], Budgets] | None = None,
+        budgets: Callable[[ConnectionPool], Budgets],
     ) -> None:
         self.delivery = settings.delivery
         self.max_age_of = settings.max_age_of
@@ -96,9 +101,8 @@ class Courier:
             else 0
         )
         self.rules = shaping.compile_rules(settings.shaping)
-        # The cluster's budgets (None: per-process limits only, as for a courier without a
-        # database).
-        self.budgets = budgets(self.connections) if budgets is not None else None
+        # The cluster's budgets: rates, sessions, suspensions (outbound/budgets.py).
+        self.budgets = budgets(self.connections)
 
     async def deliver(
         self, delivery: Delivery, *, sending: Callable[[], None]
@@ -138,7 +142,7 @@ class Courier:
                 started_at,
             )
         policy = policy_for(self.delivery, delivery.domain, route)
-        if self.budgets is not None and delivery.site and delivery.site.startswith(DESTINATION):
+        if delivery.site and delivery.site.startswith(DESTINATION):
             if delivery.site != policy.budget_key:
                 # Its site's queue is not where this mail goes now: that site is not left
                 # parked for mail that no longer reaches it.
@@ -149,8 +153,7 @@ class Courier:
         passed, gate = entered
         budgets = self.budgets
         sending()
-        if budgets is not None:
-            budgets.throttling.sending(policy)
+        budgets.throttling.sending(policy)
         connection: list[ConnectionKey] = []
         tx: TransactionResult | None = None
         try:
@@ -164,10 +167,9 @@ class Courier:
                 connection,
             )
         finally:
-            if budgets is not None:
-                budgets.throttling.sent(policy)
-                if passed is not None:
-                    budgets.leave(passed, connection[-1] if connection else None)
+            budgets.throttling.sent(policy)
+            if passed is not None:
+                budgets.leave(passed, connection[-1] if connection else None)
             if gate is not None and tx is None:
                 self.gates.leave(gate)
         DELIVERY_ATTEMPT_SECONDS.observe(tx.duration)
@@ -186,17 +188,16 @@ class Courier:
         finally:
             if gate is not None:
                 self.gates.leave(gate, outcome, tx.duration)
-        if budgets is not None:
-            if actions:
-                budgets.shaped(policy, actions)
-            if throttled is not None:
-                # It lowers the destination's budget for the whole cluster.
-                delay = stated_retry_delay(throttled.text) or 0.0
-                budgets.throttled(policy, throttled, delay, delivery.org_id)
-            if outcome == "connection-error":
-                budgets.health.failed(policy.budget_key, results[0].reply.text if results else "")
-            else:
-                budgets.health.healthy(policy.budget_key)
+        if actions:
+            budgets.shaped(policy, actions)
+        if throttled is not None:
+            # It lowers the destination's budget for the whole cluster.
+            delay = stated_retry_delay(throttled.text) or 0.0
+            budgets.throttled(policy, throttled, delay, delivery.org_id)
+        if outcome == "connection-error":
+            budgets.health.failed(policy.budget_key, results[0].reply.text if results else "")
+        else:
+            budgets.health.healthy(policy.budget_key)
         return results
 
     async def _enter(
@@ -204,26 +205,20 @@ class Courier:
     ) -> tuple[Pass | None, Gate | None] | Postponed:
         """Pass the destination's limits: the cluster's budgets that apply, then this process's
         own concurrency limit (adaptive), which always applies: a budget's rate says how many
-        messages a second, not how many sessions at once. Where a cluster budget keeps the
-        rate, the process's gate keeps none of its own."""
+        messages a second, not how many sessions at once. The rates are the budgets' alone."""
         budgets = self.budgets
-        passed: Pass | Wait | None = None
-        if budgets is not None:
-            held = await budgets.suspension(delivery, policy)
-            if held is not None:
-                queue, note = held
-                budgets.refund(budgets.needs(delivery, policy))
-                return Postponed(datetime.now(UTC), note, queue)
-            passed = await budgets.admit(delivery, policy)
+        held = await budgets.suspension(delivery, policy)
+        if held is not None:
+            queue, note = held
+            budgets.refund(budgets.needs(delivery, policy))
+            return Postponed(datetime.now(UTC), note, queue)
+        passed = await budgets.admit(delivery, policy)
         if isinstance(passed, Wait):
             return Postponed(passed.until, passed.reason, passed.site)
-        gated = policy
-        if budgets is not None and policy.rate > 0:
-            gated = dataclasses.replace(policy, rate=0)
-        entered = await self.gates.enter(gated, self.delivery.throttle_wait)
+        entered = await self.gates.enter(policy, self.delivery.throttle_wait)
         if isinstance(entered, Gate):
             return passed, entered
-        if passed is not None and budgets is not None:
+        if passed is not None:
             budgets.leave(passed, None)
             budgets.refund(passed.needs)
         wait = entered * self.rng.uniform(1.0, 1.2)

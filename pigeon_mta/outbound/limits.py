@@ -1,12 +1,12 @@
-"""Per-destination policy and traffic shaping: TLS policy, concurrency limit, token-bucket rate.
+"""Per-destination policy and this process's concurrency limit per destination (its rates are the
+cluster's budgets', outbound/budgets.py).
 
 A destination is what a `[delivery.destination."PATTERN"]` entry groups (a domain, or every domain
 whose MX hosts match a pattern such as "*.google.com"), else the route's site (`Route.site`: the
 set of MX hosts, so that domains hosted at one provider share its limits; a static route or the
 relayhost). Traffic is shaped by the site that receives it, not by the recipient's domain name.
 An entry's rate and concurrency hold for the whole cluster (outbound/budgets.py); the Gates here
-hold every destination's per-process, adaptive `destination_concurrency` besides (and its rate
-only for a courier without the cluster's budgets).
+hold every destination's per-process, adaptive `destination_concurrency` besides.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pigeon_mta.config import DeliverySettings, DestinationSettings, TlsPolicy
+from pigeon_mta.domains import routing_domain
 from pigeon_mta.outbound import adaptive
 from pigeon_mta.outbound.adaptive import AimdPolicy
 from pigeon_mta.outbound.mx import Route
@@ -28,7 +29,7 @@ from pigeon_mta.store.budgets import DEFAULT_SOURCE, site_budget_key
 
 @dataclass(frozen=True)
 class DestinationPolicy:
-    key: str  # everything with the same key shares one concurrency limit and one bucket
+    key: str  # everything with the same key shares one concurrency limit and one budget
     tls: TlsPolicy
     concurrency: int  # per process (adaptive), whatever cluster budget applies too
     rate: float  # messages per second for the whole cluster; 0 means unlimited
@@ -53,7 +54,7 @@ def policy_for(delivery: DeliverySettings, domain: str, route: Route) -> Destina
     An exact domain wins; then the longest pattern matching the domain; then the longest pattern
     matching one of the route's host names.
     """
-    domain = domain.lower()
+    domain = routing_domain(domain)
     chosen: tuple[str, DestinationSettings] | None = None
     entries = {pattern.lower(): dest for pattern, dest in delivery.destination.items()}
     if domain in entries:
@@ -84,43 +85,15 @@ def policy_for(delivery: DeliverySettings, domain: str, route: Route) -> Destina
     )
 
 
-class TokenBucket:
-    """`rate` tokens a second, at most `burst` saved up. A reservation may run the bucket into
-    debt; the caller then waits the returned time (or gives the token back with `refund`)."""
-
-    def __init__(
-        self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.rate = rate
-        self.burst = max(1, burst)
-        self._clock = clock
-        self._tokens = float(self.burst)
-        self._at = clock()
-
-    def reserve(self) -> float:
-        """Take a token; returns how many seconds until it is really there (0: at once)."""
-        if self.rate <= 0:
-            return 0.0
-        now = self._clock()
-        self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.rate)
-        self._at = now
-        self._tokens -= 1.0
-        return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
-
-    def refund(self) -> None:
-        if self.rate > 0:
-            self._tokens = min(float(self.burst), self._tokens + 1.0)
-
-
 class Gate:
     """A destination's per-process concurrency limit (adaptive, outbound/adaptive.py, when the
-    settings ask for it) and its rate bucket, with the transactions waiting for a slot."""
+    settings ask for it), with the transactions waiting for a slot. Its rates are the cluster's
+    budgets' (outbound/budgets.py)."""
 
     def __init__(self, policy: DestinationPolicy, aimd: AimdPolicy | None) -> None:
         self.policy = policy
         self.aimd = aimd
         self.state = adaptive.start(aimd) if aimd is not None else None
-        self.bucket = TokenBucket(policy.rate, policy.burst)
         self.in_flight = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
@@ -225,27 +198,19 @@ class Gates:
 
     def _forget_idle(self) -> None:
         """Drop gates nobody is using (one per destination ever seen would only grow). A
-        forgotten bucket starts full again, which its idle time would mostly have refilled; a
         forgotten adaptive limit starts again from `initial`."""
         for key, gate in list(self._gates.items()):
             if gate.in_flight == 0 and not gate.waiting:
                 del self._gates[key]
 
     async def enter(self, policy: DestinationPolicy, max_wait: float) -> Gate | float:
-        """Wait for a slot and a token; returns the Gate (call `leave`), or, when that would take
+        """Wait for a slot; returns the Gate (call `leave`), or, when that would take
         longer than `max_wait` or too many wait already, the seconds after which the destination
         should have room."""
         gate = self.get(policy)
         if gate.waiting >= WAITING_PER_SLOT * gate.limit:
             return BUSY_RETRY
-        wait = gate.bucket.reserve()
-        if wait > max_wait:
-            gate.bucket.refund()
-            return wait
-        if wait > 0:
-            await asyncio.sleep(wait)
         if not await gate.acquire(max_wait):
-            gate.bucket.refund()
             return max(1.0, max_wait)
         return gate
 

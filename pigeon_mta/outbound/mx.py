@@ -16,7 +16,6 @@ the memory leaves it even (bench/README.md, "MX routing against relayhost").
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import ipaddress
 import logging
@@ -35,7 +34,7 @@ import dns.resolver
 
 from pigeon_mta.config import IpPreference, Settings, TlsPolicy
 from pigeon_mta.config_values import nameserver_address, route_target
-from pigeon_mta.domains import ascii_domain
+from pigeon_mta.domains import ascii_domain, routing_domain
 from pigeon_mta.model import Reply
 
 log = logging.getLogger(__name__)
@@ -175,13 +174,14 @@ class Router:
         )
 
     @staticmethod
-    @functools.lru_cache(maxsize=4096)
     def _normalize(domain: str) -> str:
-        # Cached: every message's domain is looked up here, and IDNA encoding is not free.
-        try:
-            return ascii_domain(domain)
-        except ValueError:
-            return domain.lower()
+        return routing_domain(domain)  # cached: ascii_domain keeps the last 4,096 names
+
+    def destination(self, domain: str) -> str:
+        """Where a domain's mail goes: recipients of one message at domains that share a static
+        route or the relayhost travel in one transaction."""
+        route = self.static_route(domain)
+        return route.destination if route else f"mx:{domain}"
 
     def static_route(self, domain: str) -> Route | None:
         """The route given by config for `domain` (no DNS needed), if any."""

@@ -1,10 +1,7 @@
-"""The outcome path: each recipient's result judged (`judge`), a batch applied at once (`apply_outcomes`).
-
-`judge` is pure: an SMTP reply or error at a stage becomes an AttemptResult with its outcome, its
-category and the rules that chose them, and the time of the next try (or expiry once the next try
-would come after delivery.max_age). `apply_outcomes` records a batch of them in one database
-transaction, together with everything that must commit with them: the DSNs for bounced and expired
-recipients and the suppression entries for hard bounces. The engine counts what took effect.
+"""Each recipient's result judged, pure: an SMTP reply or error at a stage becomes an AttemptResult
+with its outcome, its category and the rules that chose them, and the time of the next try (or
+expiry once the next try would come after delivery.max_age). The recorder (outbound/recorder.py)
+applies them in batches (outbound/apply.py).
 """
 
 from __future__ import annotations
@@ -12,12 +9,10 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from pigeon_mta import notices
+from pigeon_mta.backoff import backoff_delay
 from pigeon_mta.config import DeliverySettings
 from pigeon_mta.model import AttemptResult, ClaimedRecipient, Delivery, Outcome, Reply
 from pigeon_mta.outbound.attempt import Peer, RecipientResult
@@ -27,15 +22,9 @@ from pigeon_mta.outbound.classify import (
     classify,
     classify_reply,
     stated_retry_delay,
-    suppresses,
 )
 from pigeon_mta.plain import plain_text
 from pigeon_mta.signer import KeysUnavailable
-from pigeon_mta.store import outcomes as store_outcomes
-from pigeon_mta.store import suppression as store_suppression
-from pigeon_mta.store.executor import Executor, transaction
-from pigeon_mta.store.suppression import BounceEntry
-from pigeon_mta.store.webhooks import NO_OFFER, ClaimedEvent, Offer
 
 # Outcomes that end a recipient's delivery in failure and so are reported to the sender.
 FAILED_OUTCOMES = frozenset({Outcome.BOUNCED, Outcome.EXPIRED})
@@ -230,29 +219,6 @@ def give_up_repeated_failure(
     return verdict
 
 
-# ---------------------------------------------------------------- retry timing
-
-
-def backoff_window(attempts: int, initial: float, maximum: float) -> tuple[float, float]:
-    """The range the delay before the next try falls in, after `attempts` tries.
-
-    Exponential: initial, 2x, 4x ... capped at maximum; jitter spreads the next tries of mail
-    that failed together (a destination that was down) over a quarter of the step, so they do
-    not all come back at the same moment.
-    """
-    exponent = max(0, min(attempts - 1, 60))
-    base = min(maximum, initial * (2.0**exponent))
-    return max(initial, base * 0.75) if attempts > 1 else initial, min(maximum, base * 1.25)
-
-
-def backoff_delay(
-    attempts: int, initial: float, maximum: float, rng: random.Random | None = None
-) -> float:
-    """A delay drawn from `backoff_window`."""
-    low, high = backoff_window(attempts, initial, maximum)
-    return (rng or random).uniform(low, high)
-
-
 # ---------------------------------------------------------------- a result made plain
 
 
@@ -272,87 +238,3 @@ def plain_result(result: AttemptResult, why: str) -> AttemptResult:
         rule=f"{plain_text(result.rule or '', 200)}; record-failed".lstrip("; "),
         dkim=result.dkim and plain_text(result.dkim, 500),
     )
-
-
-# ---------------------------------------------------------------- applying a batch
-
-
-@dataclass(frozen=True)
-class Applied:
-    """What one apply_outcomes call did."""
-
-    applied: set[uuid.UUID]  # recipient ids whose state moved (see queue.record_attempts)
-    bounces: list[uuid.UUID] = field(default_factory=list)  # queue ids of the DSNs queued
-    suppressed: int = 0  # suppression entries written for hard bounces
-    # The webhook events written claimed for the offering sender, and the webhooks with new
-    # events waiting for a claim (store/outcomes.py `Recorded`): committed, for the sender.
-    events: list[ClaimedEvent] = field(default_factory=list)
-    waiting_events: set[uuid.UUID] = field(default_factory=set)
-
-
-async def apply_outcomes(
-    db: Executor,
-    results: Sequence[AttemptResult],
-    *,
-    hostname: str,
-    suppress_for: float = 0,
-    offer: Offer = NO_OFFER,
-    notices_too: bool = True,
-) -> Applied:
-    """Record a batch of outcomes in ONE transaction: the recipients' state and attempt rows, the
-    webhook events (those within `offer` claimed for its sender), the DSNs for failures and the
-    suppression entries for hard bounces. `notices_too=False` leaves out the DSNs and the
-    suppression entries: the last resort for a result whose DSN cannot be built."""
-    if not results:
-        return Applied(applied=set())
-    if not notices_too or not any(r.outcome in FAILED_OUTCOMES for r in results):
-        # Nothing to bounce or suppress: the record statement is the whole transaction (one round
-        # trip instead of BEGIN, record, COMMIT; most batches under load are like this).
-        recorded = await store_outcomes.record_outcomes(db, results, offer)
-        return Applied(
-            applied=recorded.applied, events=recorded.events, waiting_events=recorded.waiting
-        )
-    async with transaction(db) as conn:
-        recorded = await store_outcomes.record_outcomes(conn, results, offer)
-        applied = recorded.applied
-        failed = messages_needing_bounces(results, applied)
-        bounces = await notices.queue_bounces(
-            conn, [rid for ids in failed.values() for rid in ids], hostname=hostname
-        )
-        suppressed = await store_suppression.suppress_bounced(
-            conn, bounce_suppressions(results, applied), suppress_for=suppress_for
-        )
-    return Applied(
-        applied=applied,
-        bounces=bounces,
-        suppressed=suppressed,
-        events=recorded.events,
-        waiting_events=recorded.waiting,
-    )
-
-
-def messages_needing_bounces(
-    results: Sequence[AttemptResult], applied: set[uuid.UUID]
-) -> dict[uuid.UUID, list[uuid.UUID]]:
-    """Failed recipients of one recorded round, grouped per message: one DSN per key.
-
-    Only results whose outcome was applied count: a stale claim's bounce is logged but reports
-    nothing, since the claim that replaced it owns the recipient now.
-    """
-    grouped: dict[uuid.UUID, list[uuid.UUID]] = {}
-    for result in results:
-        if result.outcome in FAILED_OUTCOMES and result.recipient_id in applied:
-            grouped.setdefault(result.message_id, []).append(result.recipient_id)
-    return grouped
-
-
-def bounce_suppressions(
-    results: Sequence[AttemptResult], applied: set[uuid.UUID]
-) -> list[BounceEntry]:
-    """The applied hard bounces whose category (an invalid recipient, a bad domain) puts their
-    address on the org's suppression list; `judge` gives every bounce its category."""
-    return [
-        BounceEntry(r.recipient_id, r.attempt, f"{r.category}: {r.reply}")
-        for r in results
-        if r.outcome == Outcome.BOUNCED and r.recipient_id in applied and suppresses(r.category)
-    ]

@@ -1,6 +1,6 @@
 """The engine's record stage: results wait here and are recorded in batches, one transaction each.
 
-Each batch goes through `apply_outcomes` (outbound/outcome.py); what took effect is counted, and
+Each batch goes through `apply_outcomes` (outbound/apply.py); what took effect is counted, and
 the delivery log gets its records after the commit (the same events are in the database). The
 process's webhook sender offers each batch its free room, and gets the webhook events written
 within it after the commit, already claimed for it (webhooks/sender.py).
@@ -23,17 +23,20 @@ import collections
 import logging
 import uuid
 from collections.abc import Sequence, Set
+from datetime import UTC, datetime
 from typing import Protocol
 
 import asyncpg
 
 from pigeon_mta.config import Settings
-from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.delivery_log import DeliveryLog
 from pigeon_mta.metrics import DELIVERIES, RECORD_FAILURES, RECORDER_PENDING, RECORDERS_STALLED
 from pigeon_mta.model import AttemptResult, Delivery
+from pigeon_mta.outbound.apply import apply_outcomes
 from pigeon_mta.outbound.claims import Claims
-from pigeon_mta.outbound.outcome import apply_outcomes, plain_result
+from pigeon_mta.outbound.outcome import interrupted_after_data, plain_result
 from pigeon_mta.plain import plain_error, plain_text
+from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.store.errors import is_about_the_values
 from pigeon_mta.store.webhooks import NO_OFFER, ClaimedEvent, Offer
 
@@ -115,6 +118,28 @@ class Recorder:
                 raise error
         self._pending.clear()
         RECORDER_PENDING.set(0)
+
+    async def hand_back(self) -> None:
+        """At stop: what finished is recorded, and everything still claimed goes back to the
+        queue now. A transaction broken off after its final dot is recorded as deferred, a
+        possible duplicate, rather than released as if it had never been tried."""
+        if not self.claims:
+            return
+        now = datetime.now(UTC)
+        interrupted = [interrupted_after_data(d, r, now) for d, r in self.claims.sent_unjudged()]
+        try:
+            await self.record_rest(interrupted)
+            released = await self.claims.release_all()
+        except DB_ERRORS as exc:
+            log.error(
+                "delivery engine: could not hand back %d claimed recipient(s) (%s); they return "
+                "to the queue when their lease runs out",
+                len(self.claims),
+                exc,
+            )
+            return
+        if released:
+            log.info("delivery engine: %d unfinished recipient(s) are queued again", released)
 
     async def record_isolating(
         self, batch: Sequence[AttemptResult]

@@ -139,7 +139,7 @@ class Credential:
 @dataclass(frozen=True)
 class Login:
     """What AUTH needs to check a password: the row's id, org, hash and state; and the user's
-    lane, for the mail sent in that session (submission/lanes.py)."""
+    lane, for the mail sent in that session (intake/lanes.py)."""
 
     id: uuid.UUID
     org_id: uuid.UUID

@@ -1,7 +1,7 @@
 """What a DSN reports, read from the queue: failed or delayed recipients and their originals.
 
 The statements here only read and mark rows; which recipients call for a DSN and what it says are
-decided outside the store (pigeon_mta/notices.py), which builds the DSN and queues it in the same
+decided outside the store (pigeon_mta/dsn_queue.py), which builds the DSN and queues it in the same
 transaction as the state change that called for it.
 """
 

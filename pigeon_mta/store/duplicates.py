@@ -34,10 +34,10 @@ from datetime import datetime
 
 import asyncpg
 
+from pigeon_mta.ids import id_floor
 from pigeon_mta.model import Envelope
 from pigeon_mta.store import queue as store_queue
 from pigeon_mta.store.executor import Executor
-from pigeon_mta.store.upkeep import id_floor
 
 
 @dataclass(frozen=True)
@@ -65,13 +65,13 @@ def _checked(envelope: Envelope) -> bool:
 # The entries of the plain statements (store/queue.py's enqueue with `before`), in key order so that
 # concurrent statements take their locks in one order. No ON CONFLICT: an entry already there, or
 # twice in the statement, fails it on the primary key (PRIMARY_KEY), and _ENQUEUE_ONE or
-# _ENQUEUE_MANY below decides. The parameters are store/queue.py's, then the key and window.
+# _ENQUEUE_MANY below decides.
 _NEW_ENTRIES_ONE = """d AS (
     INSERT INTO submission_dedup (org_id, message_key, address, queue_id, expires_at,
                                   content_key)
-    SELECT $2::uuid, $21::uuid, lower(a), $1::uuid, now() + make_interval(secs => $22::float8),
-           $23::bytea
-    FROM unnest($13::text[]) AS a
+    SELECT :org_id::uuid, :message_key::uuid, lower(a), :id::uuid, now() + make_interval(secs => :window::float8),
+           :content_key::bytea
+    FROM unnest(:addresses::text[]) AS a
     ORDER BY 3
 ), """
 _NEW_ENTRIES_MANY = """d AS (
@@ -79,14 +79,28 @@ _NEW_ENTRIES_MANY = """d AS (
                                   content_key)
     SELECT u.org_id, u.message_key, lower(v.address), u.id,
            now() + make_interval(secs => u.window_secs), u.content_key
-    FROM unnest($1::uuid[], $2::uuid[], $22::uuid[], $23::float8[], $24::bytea[])
+    FROM unnest(:id::uuid[], :org_id::uuid[], :message_key::uuid[], :window::float8[], :content_key::bytea[])
          AS u (id, org_id, message_key, window_secs, content_key)
-    JOIN unnest($13::uuid[], $14::text[]) AS v (message_id, address) ON v.message_id = u.id
+    JOIN unnest(:recipient_message_ids::uuid[], :addresses::text[]) AS v (message_id, address) ON v.message_id = u.id
     WHERE u.message_key IS NOT NULL
     ORDER BY 1, 2, 3
 ), """
-_ENQUEUE_NEW_ONE = store_queue.enqueue_statement(many=False, before=_NEW_ENTRIES_ONE)
-_ENQUEUE_NEW_MANY = store_queue.enqueue_statement(many=True, before=_NEW_ENTRIES_MANY)
+# The parameters of each statement: the enqueue's (store/queue.py), then the duplicate rule's;
+# the statements that decide take no handoff.
+_DUPLICATE_PARAMETERS = ("message_key", "window", "content_key")
+_NEW_ONE_PARAMETERS = (*store_queue.ONE_PARAMETERS, *_DUPLICATE_PARAMETERS)
+_NEW_MANY_PARAMETERS = (*store_queue.MANY_PARAMETERS, *_DUPLICATE_PARAMETERS)
+_ONE_PARAMETERS = (*store_queue.without_handoff(store_queue.ONE_PARAMETERS), *_DUPLICATE_PARAMETERS)
+_MANY_PARAMETERS = (
+    *store_queue.without_handoff(store_queue.MANY_PARAMETERS),
+    *_DUPLICATE_PARAMETERS,
+)
+_ENQUEUE_NEW_ONE = store_queue.enqueue_statement(
+    many=False, before=_NEW_ENTRIES_ONE, names=_NEW_ONE_PARAMETERS
+)
+_ENQUEUE_NEW_MANY = store_queue.enqueue_statement(
+    many=True, before=_NEW_ENTRIES_MANY, names=_NEW_MANY_PARAMETERS
+)
 PRIMARY_KEY = "submission_dedup_pkey"
 
 
@@ -117,34 +131,35 @@ _OTHER_CONTENT = """
 # order so that concurrent statements take their row locks in one order; `k` pairs each recipient
 # with the message that queues it (`owner`); the message row and its recipients only for those
 # it owns; a duplicate_reception row for the others.
-_ENQUEUE_ONE = f"""
+_ENQUEUE_ONE = store_queue.bind(
+    f"""
 WITH reused AS (
     SELECT s.queue_id FROM submission_dedup s
-    WHERE s.org_id = $2::uuid AND s.message_key = $19::uuid
-      AND s.address = ANY (ARRAY (SELECT lower(a) FROM unnest($13::text[]) AS a))
-      AND {_OTHER_CONTENT.format(content="$21::bytea")}
+    WHERE s.org_id = :org_id::uuid AND s.message_key = :message_key::uuid
+      AND s.address = ANY (ARRAY (SELECT lower(a) FROM unnest(:addresses::text[]) AS a))
+      AND {_OTHER_CONTENT.format(content=":content_key::bytea")}
     ORDER BY s.queue_id LIMIT 1
 ), d AS (
     INSERT INTO submission_dedup AS s (org_id, message_key, address, queue_id, expires_at,
                                        content_key)
-    SELECT DISTINCT $2::uuid, $19::uuid, lower(a), $1::uuid, now() + make_interval(secs => $20),
-           $21::bytea
-    FROM unnest($13::text[]) AS a
+    SELECT DISTINCT :org_id::uuid, :message_key::uuid, lower(a), :id::uuid, now() + make_interval(secs => :window),
+           :content_key::bytea
+    FROM unnest(:addresses::text[]) AS a
     ORDER BY 3
     {_TAKE_OVER}
     RETURNING s.address, s.queue_id
 ), k AS (
     SELECT u.id, u.address, u.domain, d.queue_id AS owner
-    FROM unnest($12::uuid[], $13::text[], $14::text[]) AS u (id, address, domain)
+    FROM unnest(:recipient_ids::uuid[], :addresses::text[], :domains::text[]) AS u (id, address, domain)
     JOIN d ON d.address = lower(u.address)
 ), m AS (
     INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
                          client_ip, client_helo, credential_id, auth_user, received_at,
                          tls_version, tls_cipher, lane, reuses)
-    SELECT $1, $2, $3::text, $4::text, $5::int, $6::bytea, $7::text, $8::inet, $9::text,
-           $10::uuid, $11::text, COALESCE($15::timestamptz, now()), $16::text, $17::text,
-           $18::text, (SELECT queue_id FROM reused)
-    WHERE EXISTS (SELECT 1 FROM k WHERE k.owner = $1)
+    SELECT :id, :org_id, :sender::text, :header_message_id::text, :size::int, :body::bytea, :listener::text, :client_ip::inet, :client_helo::text,
+           :credential_id::uuid, :auth_user::text, COALESCE(:received_at::timestamptz, now()), :tls_version::text, :tls_cipher::text,
+           :lane::text, (SELECT queue_id FROM reused)
+    WHERE EXISTS (SELECT 1 FROM k WHERE k.owner = :id)
     RETURNING id, org_id, received_at, lane
 ), r AS (
     INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at,
@@ -152,31 +167,34 @@ WITH reused AS (
     SELECT k.id, m.id, m.org_id, k.address, k.domain, m.received_at, m.received_at, m.lane
     FROM m JOIN k ON k.owner = m.id
 ), reply AS (
-    SELECT owner AS id FROM k ORDER BY owner = $1 DESC, owner LIMIT 1
+    SELECT owner AS id FROM k ORDER BY owner = :id DESC, owner LIMIT 1
 ), x AS (
     INSERT INTO duplicate_reception (id, org_id, original_id, reply_id, header_message_id, sender,
                                      address, received_at, listener, client_ip, client_helo,
                                      auth_user, size, tls_version, tls_cipher)
-    SELECT k.id, $2, k.owner, reply.id, $4, $3, k.address, COALESCE($15::timestamptz, now()),
-           $7, $8::inet, $9, $11, $5, $16, $17
+    SELECT k.id, :org_id, k.owner, reply.id, :header_message_id, :sender, k.address, COALESCE(:received_at::timestamptz, now()),
+           :listener, :client_ip::inet, :client_helo, :auth_user, :size, :tls_version, :tls_cipher
     FROM k, reply
-    WHERE k.owner <> $1
+    WHERE k.owner <> :id
     RETURNING address, original_id, reply_id
 )
-SELECT $1 AS message_id, address, original_id, reply_id FROM x
-"""
+SELECT :id AS message_id, address, original_id, reply_id FROM x
+""",
+    _ONE_PARAMETERS,
+)
 
 # Several messages (a group commit), as above. The per-message columns the decision needs are
 # unnested once into `u` (a CTE read several times is computed once); the bodies are not, so that
 # they are not copied into it. Within the batch, the same key in two messages goes to the one with
 # the smaller queue id (a UUIDv7: received first, to the millisecond); the other is its duplicate. Messages without a key pass
 # through: each of their recipients is its own owner.
-_ENQUEUE_MANY = f"""
+_ENQUEUE_MANY = store_queue.bind(
+    f"""
 WITH u AS (
-    SELECT * FROM unnest($1::uuid[], $2::uuid[], $20::uuid[], $21::float8[], $22::bytea[])
+    SELECT * FROM unnest(:id::uuid[], :org_id::uuid[], :message_key::uuid[], :window::float8[], :content_key::bytea[])
         AS u (id, org_id, message_key, window_secs, content_key)
 ), v AS (
-    SELECT * FROM unnest($12::uuid[], $13::uuid[], $14::text[], $15::text[])
+    SELECT * FROM unnest(:recipient_ids::uuid[], :recipient_message_ids::uuid[], :addresses::text[], :domains::text[])
         AS v (id, message_id, address, domain)
 ), reused AS (
     SELECT DISTINCT ON (u.id) u.id, s.queue_id FROM u JOIN v ON v.message_id = u.id
@@ -208,9 +226,9 @@ WITH u AS (
            w.client_ip, w.client_helo, w.credential_id, w.auth_user,
            COALESCE(w.received_at, now()), w.tls_version, w.tls_cipher, w.lane,
            (SELECT r.queue_id FROM reused r WHERE r.id = w.id)
-    FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::int[], $6::bytea[],
-                $7::text[], $8::inet[], $9::text[], $10::uuid[], $11::text[],
-                $16::timestamptz[], $17::text[], $18::text[], $19::text[])
+    FROM unnest(:id::uuid[], :org_id::uuid[], :sender::text[], :header_message_id::text[], :size::int[], :body::bytea[],
+                :listener::text[], :client_ip::inet[], :client_helo::text[], :credential_id::uuid[], :auth_user::text[],
+                :received_at::timestamptz[], :tls_version::text[], :tls_cipher::text[], :lane::text[])
          AS w (id, org_id, sender, header_message_id, size, body, listener, client_ip,
                client_helo, credential_id, auth_user, received_at, tls_version, tls_cipher,
                lane)
@@ -222,9 +240,9 @@ WITH u AS (
     SELECT k.id, m.id, m.org_id, k.address, k.domain, m.received_at, m.received_at, m.lane
     FROM m JOIN k ON k.message_id = m.id AND k.owner = m.id
 ), dm AS (  -- the messages with duplicates, without their bodies
-    SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::int[],
-                         $7::text[], $8::inet[], $9::text[], $11::text[], $16::timestamptz[],
-                         $17::text[], $18::text[])
+    SELECT * FROM unnest(:id::uuid[], :org_id::uuid[], :sender::text[], :header_message_id::text[], :size::int[],
+                         :listener::text[], :client_ip::inet[], :client_helo::text[], :auth_user::text[], :received_at::timestamptz[],
+                         :tls_version::text[], :tls_cipher::text[])
         AS n (id, org_id, sender, header_message_id, size, listener, client_ip, client_helo,
               auth_user, received_at, tls_version, tls_cipher)
     WHERE EXISTS (SELECT 1 FROM k WHERE k.message_id = n.id AND k.owner <> n.id)
@@ -244,7 +262,9 @@ WITH u AS (
     RETURNING id, original_id, reply_id
 )
 SELECT k.message_id, k.address, x.original_id, x.reply_id FROM x JOIN k ON k.id = x.id
-"""
+""",
+    _MANY_PARAMETERS,
+)
 
 
 @dataclass(frozen=True)
@@ -297,31 +317,29 @@ async def enqueue_submitted(db: Executor, batch: Sequence[tuple[uuid.UUID, Envel
 
 
 def _one_arguments(queue_id: uuid.UUID, e: Envelope, *, deciding: bool = False) -> list[object]:
-    """The parameters of the plain statement: the lone enqueue's ($1-$20), then the key, window
-    and content key ($21-$23); of _ENQUEUE_ONE (`deciding`), which takes no handoff, the lone
-    enqueue's but its handoff ($1-$18), then the key, window and content key ($19-$21)."""
-    columns = store_queue.one_columns(queue_id, e)
-    return [
-        *(columns[:18] if deciding else columns),
-        message_key(e.header_message_id or ""),
-        float(e.duplicate_window),
-        e.content_key,
-    ]
+    """The arguments of _ENQUEUE_NEW_ONE, or of _ENQUEUE_ONE (`deciding`)."""
+    values = {
+        **store_queue.one_values(queue_id, e),
+        "message_key": message_key(e.header_message_id or ""),
+        "window": float(e.duplicate_window),
+        "content_key": e.content_key,
+    }
+    return store_queue.arguments(values, _ONE_PARAMETERS if deciding else _NEW_ONE_PARAMETERS)
 
 
 def _many_arguments(
     batch: Sequence[tuple[uuid.UUID, Envelope]], deciding: bool = False
 ) -> list[object]:
-    """The parameters of the plain statement: the batch enqueue's ($1-$21), then each message's
-    key, window and content key ($22-$24); of _ENQUEUE_MANY (`deciding`), the batch enqueue's
-    but the handoffs ($1-$19), then the keys, windows and content keys ($20-$22)."""
-    columns = store_queue.batch_columns(batch)
-    return [
-        *(columns[:19] if deciding else columns),
-        [message_key(e.header_message_id or "") if _checked(e) else None for _q, e in batch],
-        [float(e.duplicate_window) for _q, e in batch],
-        [e.content_key for _q, e in batch],
-    ]
+    """The arguments of _ENQUEUE_NEW_MANY, or of _ENQUEUE_MANY (`deciding`)."""
+    values = {
+        **store_queue.many_values(batch),
+        "message_key": [
+            message_key(e.header_message_id or "") if _checked(e) else None for _q, e in batch
+        ],
+        "window": [float(e.duplicate_window) for _q, e in batch],
+        "content_key": [e.content_key for _q, e in batch],
+    }
+    return store_queue.arguments(values, _MANY_PARAMETERS if deciding else _NEW_MANY_PARAMETERS)
 
 
 # ---------------------------------------------------------------- reading

@@ -277,7 +277,7 @@ async def stories_of(
 # ---------------------------------------------------------------- what a failure caused
 
 # A DSN is queued in the transaction that records the bounce or expiry it reports
-# (notices.py), so its message row's received_at is the attempt row's recorded_at (both are
+# (dsn_queue.py), so its message row's received_at is the attempt row's recorded_at (both are
 # that transaction's now()); among the DSNs of that instant (one per message failed in the round)
 # its delivery-status part names the original's queue id. Served by message_org_received.
 _DSNS = f"""

@@ -103,11 +103,6 @@ class GroupCommit:
         self._start_commits()
         return await committed
 
-    @property
-    def under_way(self) -> int:
-        """Commits under way (for a drain at shutdown)."""
-        return len(self._commits)
-
     def _start_commits(self) -> None:
         while self._waiting and len(self._commits) < self._max_commits:
             batch = self._waiting[: self._max_batch]

@@ -134,12 +134,6 @@ class Recorded:
     waiting: set[uuid.UUID] = field(default_factory=set)
 
 
-async def record_attempts(db: Executor, results: Sequence[AttemptResult]) -> set[uuid.UUID]:
-    """Record a batch of outcomes (`record_outcomes`, with no webhook sender to hand events to);
-    returns the recipient ids whose state moved."""
-    return (await record_outcomes(db, results)).applied
-
-
 async def record_outcomes(
     db: Executor, results: Sequence[AttemptResult], offer: Offer = NO_OFFER
 ) -> Recorded:

@@ -6,20 +6,24 @@ accepted message is never half-queued. Claiming is store/leases.py's, recording 
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Sequence
 
+from pigeon_mta.domains import routing_domain
 from pigeon_mta.ids import new_id, new_ids
 from pigeon_mta.model import Envelope
 from pigeon_mta.store.executor import Executor
-from pigeon_mta.store.leases import SUPPRESSION_ACTIVE
+from pigeon_mta.store.suppression import SUPPRESSION_ACTIVE
 
 NOTIFY_CHANNEL = "pigeon_queue"
 
 
 def recipient_domain(address: str) -> str:
-    """The routing domain of an address: what follows the last '@', lower-cased."""
-    return address.rpartition("@")[2].lower()
+    """The routing domain of an address: what follows the last '@', in the one spelling of
+    domains.py (lower case, A-labels), so that an IDN recipient is grouped under the name it is
+    routed by (`domains.routing_domain`)."""
+    return routing_domain(address.rpartition("@")[2])
 
 
 # ---------------------------------------------------------------- enqueue
@@ -29,22 +33,62 @@ def recipient_domain(address: str) -> str:
 # case (group commits form only when commits are already busy), has a statement of its own with
 # plain parameters: the array form costs it 10-25% of the enqueue rate (bench/README.md, "Queue").
 # `before`: CTEs written in the same statement (store/duplicates.py's entries), each ending in ", ".
+#
+# Parameters are named in the statements (:org_id) and numbered by `bind` from the tables below:
+# a statement built on these, with parameters of its own after them (store/duplicates.py), names
+# them, and a name that is not a parameter of the statement fails at import.
+ONE_PARAMETERS = (
+    "id", "org_id", "sender", "header_message_id", "size", "body", "listener", "client_ip",
+    "client_helo", "credential_id", "auth_user", "recipient_ids", "addresses", "domains",
+    "received_at", "tls_version", "tls_cipher", "lane", "lease_owner", "lease",
+)  # fmt: skip
+# Of a batch: one array per parameter, one element per message, but recipient_ids,
+# recipient_message_ids, addresses, domains, lease_owner and lease: one element per recipient.
+MANY_PARAMETERS = (
+    "id", "org_id", "sender", "header_message_id", "size", "body", "listener", "client_ip",
+    "client_helo", "credential_id", "auth_user", "recipient_ids", "recipient_message_ids",
+    "addresses", "domains", "received_at", "tls_version", "tls_cipher", "lane", "lease_owner",
+    "lease",
+)  # fmt: skip
+# What a message queued straight into its process's engine has besides (model.Handoff).
+HANDOFF_PARAMETERS = ("lease_owner", "lease")
+
+_PARAMETER = re.compile(r"(?<![:\w]):([a-z_][a-z_0-9]*)")
+
+
+def bind(sql: str, names: Sequence[str]) -> str:
+    """`sql` with each :name numbered by its place in `names` ($1 for the first)."""
+    index = {name: i for i, name in enumerate(names, 1)}
+
+    def number(match: re.Match[str]) -> str:
+        try:
+            return f"${index[match.group(1)]}"
+        except KeyError:
+            raise ValueError(f"the statement names :{match.group(1)}, not a parameter") from None
+
+    return _PARAMETER.sub(number, sql)
+
+
+def without_handoff(names: Sequence[str]) -> tuple[str, ...]:
+    return tuple(name for name in names if name not in HANDOFF_PARAMETERS)
+
+
 _ENQUEUE_ONE_TEMPLATE = """
 WITH {before}m AS (
     INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
                          client_ip, client_helo, credential_id, auth_user, received_at,
                          tls_version, tls_cipher, lane)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8::inet, $9, $10, $11,
-            COALESCE($15::timestamptz, now()), $16, $17, $18)
+    VALUES (:id, :org_id, :sender, :header_message_id, :size, :body, :listener, :client_ip::inet, :client_helo, :credential_id, :auth_user,
+            COALESCE(:received_at::timestamptz, now()), :tls_version, :tls_cipher, :lane)
     RETURNING id, org_id, received_at, lane
 ), r AS (
     INSERT INTO recipient AS t (id, message_id, org_id, address, domain, created_at,
                                 next_attempt_at, lane, status, attempts, lease_owner, lease_until)
     SELECT u.id, m.id, m.org_id, u.address, u.domain, m.received_at, m.received_at, m.lane,
-           CASE WHEN $19::text IS NULL THEN 'queued' ELSE 'delivering' END,
-           CASE WHEN $19::text IS NULL THEN 0 ELSE 1 END,
-           $19::text, now() + make_interval(secs => $20::float8)
-    FROM m, unnest($12::uuid[], $13::text[], $14::text[]) AS u (id, address, domain)
+           CASE WHEN :lease_owner::text IS NULL THEN 'queued' ELSE 'delivering' END,
+           CASE WHEN :lease_owner::text IS NULL THEN 0 ELSE 1 END,
+           :lease_owner::text, now() + make_interval(secs => :lease::float8)
+    FROM m, unnest(:recipient_ids::uuid[], :addresses::text[], :domains::text[]) AS u (id, address, domain)
     RETURNING t.id, t.org_id, t.address, t.lease_owner
 )
 SELECT {final}
@@ -57,9 +101,9 @@ WITH {before}m AS (
     SELECT u.id, u.org_id, u.sender, u.header_message_id, u.size, u.body, u.listener,
            u.client_ip, u.client_helo, u.credential_id, u.auth_user,
            COALESCE(u.received_at, now()), u.tls_version, u.tls_cipher, u.lane
-    FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::int[], $6::bytea[],
-                $7::text[], $8::inet[], $9::text[], $10::uuid[], $11::text[],
-                $16::timestamptz[], $17::text[], $18::text[], $19::text[])
+    FROM unnest(:id::uuid[], :org_id::uuid[], :sender::text[], :header_message_id::text[], :size::int[], :body::bytea[],
+                :listener::text[], :client_ip::inet[], :client_helo::text[], :credential_id::uuid[], :auth_user::text[],
+                :received_at::timestamptz[], :tls_version::text[], :tls_cipher::text[], :lane::text[])
          AS u (id, org_id, sender, header_message_id, size, body, listener, client_ip,
                client_helo, credential_id, auth_user, received_at, tls_version, tls_cipher,
                lane)
@@ -71,7 +115,7 @@ WITH {before}m AS (
            CASE WHEN u.lease_owner IS NULL THEN 'queued' ELSE 'delivering' END,
            CASE WHEN u.lease_owner IS NULL THEN 0 ELSE 1 END,
            u.lease_owner, now() + make_interval(secs => u.lease)
-    FROM unnest($12::uuid[], $13::uuid[], $14::text[], $15::text[], $20::text[], $21::float8[])
+    FROM unnest(:recipient_ids::uuid[], :recipient_message_ids::uuid[], :addresses::text[], :domains::text[], :lease_owner::text[], :lease::float8[])
          AS u (id, message_id, address, domain, lease_owner, lease)
     JOIN m ON m.id = u.message_id
     RETURNING t.id, t.org_id, t.address, t.lease_owner
@@ -86,19 +130,22 @@ _SUPPRESSED_HANDOFFS = f"""r.id, s.reason
 FROM r JOIN suppression s ON s.org_id = r.org_id AND s.address = lower(r.address)
                           AND {SUPPRESSION_ACTIVE}
 WHERE r.lease_owner IS NOT NULL"""
-_ENQUEUE_ONE = _ENQUEUE_ONE_TEMPLATE.format(before="", final=_NOTIFY)
-_ENQUEUE_ONE_QUIET = _ENQUEUE_ONE_TEMPLATE.format(before="", final=_SUPPRESSED_HANDOFFS)
-_ENQUEUE_MANY = _ENQUEUE_MANY_TEMPLATE.format(before="", final=_NOTIFY)
-_ENQUEUE_MANY_QUIET = _ENQUEUE_MANY_TEMPLATE.format(before="", final=_SUPPRESSED_HANDOFFS)
+_ENQUEUE_ONE = bind(_ENQUEUE_ONE_TEMPLATE.format(before="", final=_NOTIFY), ONE_PARAMETERS)
+_ENQUEUE_ONE_QUIET = bind(
+    _ENQUEUE_ONE_TEMPLATE.format(before="", final=_SUPPRESSED_HANDOFFS), ONE_PARAMETERS
+)
+_ENQUEUE_MANY = bind(_ENQUEUE_MANY_TEMPLATE.format(before="", final=_NOTIFY), MANY_PARAMETERS)
+_ENQUEUE_MANY_QUIET = bind(
+    _ENQUEUE_MANY_TEMPLATE.format(before="", final=_SUPPRESSED_HANDOFFS), MANY_PARAMETERS
+)
 
 
-def enqueue_statement(*, many: bool, before: str) -> str:
-    """The quiet enqueue of one message (parameters as `enqueue_many` passes them, $1-$20) or of
-    several (`batch_columns`, $1-$21), with `before` written in the same statement; it returns
-    the suppressed handed-off recipients (id, reason)."""
-    return (_ENQUEUE_MANY_TEMPLATE if many else _ENQUEUE_ONE_TEMPLATE).format(
-        before=before, final=_SUPPRESSED_HANDOFFS
-    )
+def enqueue_statement(*, many: bool, before: str, names: Sequence[str]) -> str:
+    """The quiet enqueue of one message (ONE_PARAMETERS) or of several (MANY_PARAMETERS), with
+    `before` written in the same statement, its parameters numbered by `names` (the enqueue's,
+    then the caller's own); it returns the suppressed handed-off recipients (id, reason)."""
+    template = _ENQUEUE_MANY_TEMPLATE if many else _ENQUEUE_ONE_TEMPLATE
+    return bind(template.format(before=before, final=_SUPPRESSED_HANDOFFS), names)
 
 
 async def enqueue(
@@ -142,14 +189,14 @@ async def enqueue_many(
             raise ValueError("a handed-off message wakes no engine")
     if notify:
         if len(batch) == 1:
-            await db.execute(_ENQUEUE_ONE, *one_columns(*batch[0]))
+            await db.execute(_ENQUEUE_ONE, *arguments(one_values(*batch[0]), ONE_PARAMETERS))
         else:
-            await db.execute(_ENQUEUE_MANY, *batch_columns(batch))
+            await db.execute(_ENQUEUE_MANY, *arguments(many_values(batch), MANY_PARAMETERS))
         return {}
     if len(batch) == 1:
-        rows = await db.fetch(_ENQUEUE_ONE_QUIET, *one_columns(*batch[0]))
+        rows = await db.fetch(_ENQUEUE_ONE_QUIET, *arguments(one_values(*batch[0]), ONE_PARAMETERS))
     else:
-        rows = await db.fetch(_ENQUEUE_MANY_QUIET, *batch_columns(batch))
+        rows = await db.fetch(_ENQUEUE_MANY_QUIET, *arguments(many_values(batch), MANY_PARAMETERS))
     return {row["id"]: row["reason"] for row in rows}
 
 
@@ -162,61 +209,64 @@ def recipient_ids(e: Envelope) -> Sequence[uuid.UUID]:
     return e.recipient_ids
 
 
-def one_columns(queue_id: uuid.UUID, e: Envelope) -> list[object]:
-    """The parameters of the lone-message enqueue ($1-$20)."""
-    return [
-        queue_id,
-        e.org_id,
-        e.sender,
-        e.header_message_id,
-        len(e.body),
-        e.body,
-        e.listener,
-        e.client_ip,
-        e.client_helo,
-        e.credential_id,
-        e.auth_user,
-        list(recipient_ids(e)),
-        list(e.recipients),
-        [recipient_domain(r) for r in e.recipients],
-        e.received_at,
-        e.tls_version,
-        e.tls_cipher,
-        e.lane,
-        e.handoff.owner if e.handoff else None,
-        e.handoff.lease if e.handoff else None,
-    ]
+def arguments(values: dict[str, object], names: Sequence[str]) -> list[object]:
+    """The arguments of a statement bound with `names`, from the values by name."""
+    return [values[name] for name in names]
 
 
-def batch_columns(batch: Sequence[tuple[uuid.UUID, Envelope]]) -> list[Sequence[object]]:
-    """The parameters $1-$21 of _ENQUEUE_MANY (and of the duplicate check's batch statement): one
-    array per column, one element per message, but $12-$15, $20 and $21, one element per
-    recipient."""
+def one_values(queue_id: uuid.UUID, e: Envelope) -> dict[str, object]:
+    """The values of ONE_PARAMETERS for one message."""
+    return {
+        "id": queue_id,
+        "org_id": e.org_id,
+        "sender": e.sender,
+        "header_message_id": e.header_message_id,
+        "size": len(e.body),
+        "body": e.body,
+        "listener": e.listener,
+        "client_ip": e.client_ip,
+        "client_helo": e.client_helo,
+        "credential_id": e.credential_id,
+        "auth_user": e.auth_user,
+        "recipient_ids": list(recipient_ids(e)),
+        "addresses": list(e.recipients),
+        "domains": [recipient_domain(r) for r in e.recipients],
+        "received_at": e.received_at,
+        "tls_version": e.tls_version,
+        "tls_cipher": e.tls_cipher,
+        "lane": e.lane,
+        "lease_owner": e.handoff.owner if e.handoff else None,
+        "lease": e.handoff.lease if e.handoff else None,
+    }
+
+
+def many_values(batch: Sequence[tuple[uuid.UUID, Envelope]]) -> dict[str, object]:
+    """The values of MANY_PARAMETERS for a batch of messages (queue id, envelope)."""
     recipients = [(q, r) for q, envelope in batch for r in envelope.recipients]
     handoffs = [e.handoff for _q, e in batch for _r in e.recipients]
-    return [
-        [q for q, _e in batch],
-        [e.org_id for _q, e in batch],
-        [e.sender for _q, e in batch],
-        [e.header_message_id for _q, e in batch],
-        [len(e.body) for _q, e in batch],
-        [e.body for _q, e in batch],
-        [e.listener for _q, e in batch],
-        [e.client_ip for _q, e in batch],
-        [e.client_helo for _q, e in batch],
-        [e.credential_id for _q, e in batch],
-        [e.auth_user for _q, e in batch],
-        [i for _q, e in batch for i in recipient_ids(e)],
-        [q for q, _r in recipients],
-        [r for _q, r in recipients],
-        [recipient_domain(r) for _q, r in recipients],
-        [e.received_at for _q, e in batch],
-        [e.tls_version for _q, e in batch],
-        [e.tls_cipher for _q, e in batch],
-        [e.lane for _q, e in batch],
-        [h.owner if h else None for h in handoffs],
-        [h.lease if h else None for h in handoffs],
-    ]
+    return {
+        "id": [q for q, _e in batch],
+        "org_id": [e.org_id for _q, e in batch],
+        "sender": [e.sender for _q, e in batch],
+        "header_message_id": [e.header_message_id for _q, e in batch],
+        "size": [len(e.body) for _q, e in batch],
+        "body": [e.body for _q, e in batch],
+        "listener": [e.listener for _q, e in batch],
+        "client_ip": [e.client_ip for _q, e in batch],
+        "client_helo": [e.client_helo for _q, e in batch],
+        "credential_id": [e.credential_id for _q, e in batch],
+        "auth_user": [e.auth_user for _q, e in batch],
+        "recipient_ids": [i for _q, e in batch for i in recipient_ids(e)],
+        "recipient_message_ids": [q for q, _r in recipients],
+        "addresses": [r for _q, r in recipients],
+        "domains": [recipient_domain(r) for _q, r in recipients],
+        "received_at": [e.received_at for _q, e in batch],
+        "tls_version": [e.tls_version for _q, e in batch],
+        "tls_cipher": [e.tls_cipher for _q, e in batch],
+        "lane": [e.lane for _q, e in batch],
+        "lease_owner": [h.owner if h else None for h in handoffs],
+        "lease": [h.lease if h else None for h in handoffs],
+    }
 
 
 # ---------------------------------------------------------------- read back

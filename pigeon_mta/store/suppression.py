@@ -16,10 +16,13 @@ import asyncpg
 
 from pigeon_mta.ids import new_id, new_ids
 from pigeon_mta.store.executor import Executor
-from pigeon_mta.store.leases import SUPPRESSION_ACTIVE
 
 MANUAL = "manual"
 BOUNCE = "bounce"
+
+# A suppression-list entry `s` in force: this module owns the list; the claim
+# (store/claims.py) and the queue views read it.
+SUPPRESSION_ACTIVE = "(s.expires_at IS NULL OR s.expires_at > now())"
 
 
 @dataclass(frozen=True)

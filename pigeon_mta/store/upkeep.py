@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pigeon_mta.ids import id_floor
 from pigeon_mta.store.executor import Executor
 from pigeon_mta.store.webhooks import backlog as webhook_backlog
 from pigeon_mta.store.webhooks import event_payload, header_message_id, message_kind
@@ -146,12 +147,6 @@ async def purge_finished_messages(db: Executor, *, older_than: float, limit: int
     """Delete up to `limit` finished messages received more than `older_than` seconds ago."""
     cutoff = id_floor(time.time() - older_than)
     return len(await db.fetch(_PURGE, cutoff, limit, float(older_than)))
-
-
-def id_floor(unix_time: float) -> uuid.UUID:
-    """The smallest UUIDv7 made at `unix_time`: every id made earlier sorts below it."""
-    millis = max(0, int(unix_time * 1000))
-    return uuid.UUID(int=(millis << 80) | (0x7 << 76) | (0b10 << 62))
 
 
 # ---------------------------------------------------------------- stats

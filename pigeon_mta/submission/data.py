@@ -61,7 +61,7 @@ async def read_data(
     if too_big:
         return Data(b"", size, DataProblem.TOO_BIG)
     content = unstuff(b"".join(pieces)[:-3])  # keep the CRLF before the final dot
-    # A bare LF or CR ends a line too (submission.fixups makes it CRLF; so does folding, first).
+    # A bare LF or CR ends a line too (intake/fixups.py makes it CRLF; so does folding, first).
     if any(len(line) > LINE_LIMIT for line in content.splitlines()):
         if not fold:
             return Data(b"", size, DataProblem.LINE_TOO_LONG)

@@ -37,7 +37,6 @@ FIELD_NOT_OWNED = {
     name: f"553 5.7.1 {title}: header address rejected: not owned by the authenticated user"
     for name, title in _ORIGINATORS.items()
 }
-FROM_NOT_OWNED = FIELD_NOT_OWNED["from"]
 FIELD_UNREADABLE = {
     (name, problem): f"550 5.6.0 {title}: header {problem.value}"
     for name, title in _ORIGINATORS.items()
@@ -54,7 +53,7 @@ HEADER_TOO_BIG = "552 5.3.4 Message header exceeds fixed maximum header size"
 LINE_TOO_LONG = "500 5.5.2 Line too long (RFC 5321 4.5.3.1.6)"
 RATE_LIMITED = "450 4.7.1 Message rate limit exceeded for this user, try again later"
 TOO_MANY_HOPS = "554 5.4.6 Too many hops"  # RFC 3463 X.4.6: routing loop detected
-# The X-Pigeon-Lane field names a lane the server does not have (submission/lanes.py): refused, so
+# The X-Pigeon-Lane field names a lane the server does not have (intake/lanes.py): refused, so
 # that a typo never moves mail into another lane. {lane} is the name as written, made printable.
 UNKNOWN_LANE = "550 5.7.0 X-Pigeon-Lane: no such lane: {lane}"
 LANES_DIFFER = "550 5.7.0 X-Pigeon-Lane fields name different lanes: {lanes}"

@@ -29,6 +29,7 @@ import aiohttp
 import asyncpg
 
 from pigeon_mta import __version__, metrics
+from pigeon_mta.backoff import backoff_delay
 from pigeon_mta.config import WebhookSettings
 from pigeon_mta.plain import plain_error, plain_text
 from pigeon_mta.store import webhooks as store_webhooks
@@ -100,16 +101,6 @@ async def post_event(
         return HttpReply(None, plain_error(exc, 500))
 
 
-def retry_delay(
-    attempts: int, initial: float, maximum: float, rng: random.Random | None = None
-) -> float:
-    """Seconds before the next request after `attempts` failed ones: doubling from `initial` up
-    to `maximum`, spread over +-25% so that the events of an endpoint that was down do not all
-    come back at the same moment."""
-    base = min(maximum, initial * 2.0 ** max(0, min(attempts - 1, 60)))
-    return (rng or random).uniform(base * 0.75, base * 1.25)
-
-
 def judge(
     event: ClaimedEvent,
     reply: HttpReply,
@@ -122,7 +113,7 @@ def judge(
     failed once the next try would come after webhooks.max_age."""
     if reply.accepted:
         return EventResult(event, store_webhooks.DELIVERED, reply.status, None)
-    delay = retry_delay(event.attempts, settings.retry_initial, settings.retry_max, rng)
+    delay = backoff_delay(event.attempts, settings.retry_initial, settings.retry_max, rng)
     next_at = now + timedelta(seconds=delay)
     if next_at > event.created_at + timedelta(seconds=settings.max_age):
         return EventResult(event, store_webhooks.FAILED, reply.status, reply.error)

@@ -11,9 +11,8 @@ import asyncpg
 
 from pigeon_mta.model import AttemptResult, Outcome, Reply
 from pigeon_mta.store.orgs import ensure_org
-from pigeon_mta.store.outcomes import record_attempts
 from tests.conftest import run_pigeon
-from tests.integration.queue_helpers import bulk_queue
+from tests.integration.queue_helpers import bulk_queue, record_attempts
 
 HOUR = 3600
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
 
 from pigeon_mta.model import AttemptResult, Delivery, Envelope, Outcome, Reply
 from pigeon_mta.outbound.claims import group_deliveries
-from pigeon_mta.store import leases, queue
+from pigeon_mta.store import claims, outcomes, queue
+from pigeon_mta.store.executor import Executor
 
 # The built-in lanes' weights (config.default_lanes), as the engine passes them to the claim.
 LANE_WEIGHTS = {"transactional": 10.0, "bulk": 1.0}
@@ -20,7 +22,7 @@ async def claim(
 ) -> list[Delivery]:
     """Claim due recipients, grouped into one Delivery per (message, domain) as the engine
     groups them when no static route joins domains."""
-    claimed = await leases.claim_due_recipients(
+    claimed = await claims.claim_due_recipients(
         db, owner=owner, lease=lease, batch=batch, lane_weights=LANE_WEIGHTS
     )
     return group_deliveries(claimed.rows)
@@ -112,3 +114,9 @@ async def suppressed_at_claim(
     )
     claimed = await claim(pool, owner="test", lease=60, batch=1000)
     return {r.address for d in claimed for r in d.recipients if r.suppressed is not None}
+
+
+async def record_attempts(db: Executor, results: Sequence[AttemptResult]) -> set[uuid.UUID]:
+    """Record a batch of outcomes with no webhook sender to hand events to (as the recorder does,
+    outbound/recorder.py); returns the recipient ids whose state moved."""
+    return (await outcomes.record_outcomes(db, results)).applied

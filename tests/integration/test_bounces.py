@@ -14,12 +14,13 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 import pytest
 
-from pigeon_mta import notices
+from pigeon_mta import dsn_queue
 from pigeon_mta.model import DSN_LISTENER, AttemptResult, Delivery, Envelope, Outcome, Reply
-from pigeon_mta.outbound import outcome
+from pigeon_mta.outbound import apply, outcome
 from pigeon_mta.outbound.classify import classify_reply
-from pigeon_mta.store import admin_queue, bounces, outcomes, queue, suppression, upkeep
-from tests.integration.queue_helpers import bulk_queue, claim, suppressed_at_claim
+from pigeon_mta.store import admin_queue, queue, suppression, upkeep
+from pigeon_mta.store import dsn as store_dsn
+from tests.integration.queue_helpers import bulk_queue, claim, record_attempts, suppressed_at_claim
 from tests.integration.test_queue import _recipient_scans
 
 HOST = "mta.example.org"
@@ -102,7 +103,7 @@ async def test_two_permanent_failures_of_three_recipients_make_one_bounce_naming
         result(net, "carol@example.net", Outcome.DELIVERED, Reply(250, "2.0.0", "ok")),
         result(nowhere, "dave@nowhere.example", Outcome.BOUNCED, NO_DOMAIN),
     ]
-    recorded = await outcome.apply_outcomes(pool, results, hostname=HOST)
+    recorded = await apply.apply_outcomes(pool, results, hostname=HOST)
 
     assert len(recorded.applied) == 3 and len(recorded.bounces) == 1
     (dsn,) = await queued_dsns(pool)
@@ -138,7 +139,7 @@ async def test_two_permanent_failures_of_three_recipients_make_one_bounce_naming
 async def test_null_sender_mail_is_never_bounced(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
     await send(pool, org_id, "bob@example.net", sender="")
     (delivery,) = await claim_all(pool)
-    recorded = await outcome.apply_outcomes(
+    recorded = await apply.apply_outcomes(
         pool, [result(delivery, "bob@example.net", Outcome.BOUNCED, UNKNOWN)], hostname=HOST
     )
     assert recorded.bounces == []
@@ -148,13 +149,13 @@ async def test_null_sender_mail_is_never_bounced(pool: asyncpg.Pool, org_id: uui
 async def test_a_bounce_that_bounces_ends_there(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
     await send(pool, org_id, "bob@example.net")
     (delivery,) = await claim_all(pool)
-    await outcome.apply_outcomes(
+    await apply.apply_outcomes(
         pool, [result(delivery, "bob@example.net", Outcome.BOUNCED, UNKNOWN)], hostname=HOST
     )
     # The DSN to alice fails permanently too: nothing more is queued, no loop.
     (dsn_delivery,) = await claim_all(pool)
     assert dsn_delivery.sender == ""
-    recorded = await outcome.apply_outcomes(
+    recorded = await apply.apply_outcomes(
         pool,
         [result(dsn_delivery, "alice@example.com", Outcome.BOUNCED, UNKNOWN)],
         hostname=HOST,
@@ -167,7 +168,7 @@ async def test_a_stale_claim_reports_nothing(pool: asyncpg.Pool, org_id: uuid.UU
     await send(pool, org_id, "bob@example.net")
     (delivery,) = await claim_all(pool)
     stale = result(delivery, "bob@example.net", Outcome.BOUNCED, UNKNOWN, attempt=99)
-    recorded = await outcome.apply_outcomes(pool, [stale], hostname=HOST)
+    recorded = await apply.apply_outcomes(pool, [stale], hostname=HOST)
     assert recorded.applied == set() and recorded.bounces == [] and recorded.suppressed == 0
     assert await queued_dsns(pool) == []
 
@@ -178,7 +179,7 @@ async def test_soft_categories_bounce_but_do_not_suppress(
     await send(pool, org_id, "bob@example.net")
     (delivery,) = await claim_all(pool)
     full = Reply(552, "5.2.2", "mailbox full")
-    recorded = await outcome.apply_outcomes(
+    recorded = await apply.apply_outcomes(
         pool, [result(delivery, "bob@example.net", Outcome.BOUNCED, full)], hostname=HOST
     )
     assert len(recorded.bounces) == 1 and recorded.suppressed == 0
@@ -200,7 +201,7 @@ async def test_a_manual_entry_is_not_overwritten_by_a_bounce(
     # what a bounce does to existing entries.
     await send(pool, org_id, "bob@example.net", "carol@example.net")
     (delivery,) = await claim_all(pool)
-    await outcome.apply_outcomes(
+    await apply.apply_outcomes(
         pool,
         [
             result(delivery, "bob@example.net", Outcome.BOUNCED, UNKNOWN),
@@ -237,7 +238,7 @@ async def test_expiry_queues_a_4_4_7_bounce_in_the_same_transaction(
            WHERE created_at < now() - interval '1 day'"""
     )
 
-    expired = await notices.expire_and_bounce(
+    expired = await dsn_queue.expire_and_bounce(
         pool, max_age=5 * 86400, max_age_text="5d", hostname=HOST
     )
 
@@ -252,7 +253,7 @@ async def test_expiry_queues_a_4_4_7_bounce_in_the_same_transaction(
             assert (block["Action"], block["Status"]) == ("failed", "4.4.7")
             assert block["Diagnostic-Code"] == "smtp; 451 4.7.1 greylisted, come back later"
     assert await pool.fetchval("SELECT count(*) FROM recipient WHERE status = 'expired'") == 8
-    again = await notices.expire_and_bounce(
+    again = await dsn_queue.expire_and_bounce(
         pool, max_age=5 * 86400, max_age_text="5d", hostname=HOST
     )
     assert again.recipients == [] and again.bounces == []
@@ -269,7 +270,7 @@ async def test_expiry_is_undone_when_its_bounce_cannot_be_queued(
            FOR EACH ROW EXECUTE FUNCTION refuse_dsn();"""
     )
     with pytest.raises(asyncpg.RaiseError):
-        await notices.expire_and_bounce(pool, max_age=5 * 86400, max_age_text="5d", hostname=HOST)
+        await dsn_queue.expire_and_bounce(pool, max_age=5 * 86400, max_age_text="5d", hostname=HOST)
     # Nothing is lost: the recipients are still queued and will expire (with a DSN) next time.
     assert await pool.fetchval("SELECT count(*) FROM recipient WHERE status = 'queued'") == 2
     assert await pool.fetchval("SELECT count(*) FROM attempt") == 0
@@ -298,7 +299,7 @@ async def test_suppressed_recipients_are_not_attempted(
     assert [[r.address for r in d.recipients] for d in keep] == [["carol@example.net"]]
     assert sorted(r.outcome for r in results) == ["suppressed", "suppressed"]
     assert all(r.category == "suppressed" and "suppression list" in r.reply.text for r in results)
-    recorded = await outcome.apply_outcomes(pool, results, hostname=HOST)
+    recorded = await apply.apply_outcomes(pool, results, hostname=HOST)
     assert len(recorded.applied) == 2 and recorded.bounces == []
     statuses = await pool.fetch("SELECT address, status FROM recipient ORDER BY address")
     assert [(r["address"], r["status"]) for r in statuses] == [
@@ -360,7 +361,7 @@ def test_messages_needing_bounces_groups_applied_failures_per_message() -> None:
         r(m2, Outcome.SUPPRESSED),
     ]
     applied = {x.recipient_id for x in results} - {results[3].recipient_id}
-    grouped = outcome.messages_needing_bounces(results, applied)
+    grouped = apply.messages_needing_bounces(results, applied)
     assert grouped == {m1: [results[0].recipient_id, results[2].recipient_id]}
 
 
@@ -382,7 +383,7 @@ async def test_delay_warning_tells_the_sender_once_per_recipient(
         for d in await claim_all(pool)
         for r in d.recipients
     ]
-    assert len(await outcomes.record_attempts(pool, deferred)) == 4
+    assert len(await record_attempts(pool, deferred)) == 4
     await send(pool, org_id, "d@example.net")  # old but never tried: not deferred
     await pool.execute(
         "UPDATE recipient SET created_at = now() - interval '2 hours' WHERE message_id <> $1",
@@ -394,7 +395,7 @@ async def test_delay_warning_tells_the_sender_once_per_recipient(
         "UPDATE recipient SET created_at = now() - interval '3 hours' WHERE address = 'a@example.net'"
     )
 
-    warned = await notices.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
+    warned = await dsn_queue.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
 
     assert warned.recipients == 3  # a@, b@ and the null sender's e@
     marked = await pool.fetch(
@@ -424,7 +425,7 @@ async def test_delay_warning_tells_the_sender_once_per_recipient(
     )
     assert all(r["status"] == "queued" and r["next_attempt_at"] > datetime.now(UTC) for r in states)
 
-    again = await notices.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
+    again = await dsn_queue.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
     assert (again.recipients, again.warnings) == (0, [])
     assert len(await queued_dsns(pool)) == 1
 
@@ -455,14 +456,14 @@ async def test_a_delay_warning_that_cannot_be_queued_leaves_its_recipients_unmar
                FOR EACH ROW EXECUTE FUNCTION refuse_messages()"""
     )
     with pytest.raises(asyncpg.RaiseError, match="no space left"):
-        await notices.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
+        await dsn_queue.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
     assert (
         await pool.fetchval("SELECT count(*) FROM recipient WHERE delay_warned_at IS NOT NULL") == 0
     )
     assert await queued_dsns(pool) == []
 
     await pool.execute("DROP TRIGGER refuse_messages ON message")
-    warned = await notices.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
+    warned = await dsn_queue.warn_delayed(pool, after=3600, max_age=5 * 86400, hostname=HOST)
     assert warned.recipients == 3 and len(warned.warnings) == 3
 
 
@@ -473,13 +474,13 @@ async def test_delay_warnings_work_off_a_backlog_oldest_first_and_concurrently_o
     once (two nodes) never warn about the same recipient."""
     await deferred_for(pool, org_id, 4, hours=2)  # the newer ones are written first
     await deferred_for(pool, org_id, 3, hours=3)
-    first = await notices.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST, limit=3)
+    first = await dsn_queue.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST, limit=3)
     oldest = await pool.fetch("SELECT created_at FROM recipient WHERE delay_warned_at IS NOT NULL")
     assert first.recipients == 3
     assert all(r["created_at"] < datetime.now(UTC) - timedelta(hours=2.5) for r in oldest)
     rounds = await asyncio.gather(
         *(
-            notices.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST, limit=3)
+            dsn_queue.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST, limit=3)
             for _ in range(2)
         )
     )
@@ -487,7 +488,7 @@ async def test_delay_warnings_work_off_a_backlog_oldest_first_and_concurrently_o
     assert sum(r.recipients for r in rounds) == 4
     assert len(await queued_dsns(pool)) == 7  # one per message, none twice
     assert (
-        await notices.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST)
+        await dsn_queue.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST)
     ).recipients == 0
 
 
@@ -502,11 +503,11 @@ async def test_the_delay_warning_round_reads_only_what_is_due(
     await deferred_for(pool, org_id, 5)
     await pool.execute("ANALYZE recipient")
     async with pool.acquire() as conn:
-        scans = await _recipient_scans(conn, bounces._MARK_DELAYED, 3600.0, 1000)
+        scans = await _recipient_scans(conn, store_dsn._MARK_DELAYED, 3600.0, 1000)
     assert ("Index Scan", "recipient_warn_due") in scans, scans
     assert all(kind != "Seq Scan" for kind, _ in scans), scans
     assert all(name in ("recipient_warn_due", "recipient_pkey", None) for _, name in scans), scans
-    warned = await notices.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST)
+    warned = await dsn_queue.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST)
     assert warned.recipients == 5
 
 
@@ -516,7 +517,7 @@ async def test_a_retried_bounce_may_be_warned_again_a_retried_deferral_not(
     """`pigeon-mta queue retry` of a bounced or expired recipient starts a new life in the queue
     (created_at restarts), so its sender may be warned again; retrying a deferred one is a nudge."""
     await deferred_for(pool, org_id, 2)
-    await notices.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST)
+    await dsn_queue.warn_delayed(pool, after=3600, max_age=86400, hostname=HOST)
     first, second = await pool.fetch("SELECT id FROM recipient WHERE attempts > 0 ORDER BY id")
     await pool.execute("UPDATE recipient SET status = 'bounced' WHERE id = $1", first["id"])
     async with pool.acquire() as conn:
@@ -541,7 +542,7 @@ async def test_a_delay_warning_promises_retries_only_until_the_lane_max_age(
                   last_response = 'later'"""
     )
     bulk_day = upkeep.LaneMaxAge("bulk", 86400, "1d")
-    warned = await notices.warn_delayed(
+    warned = await dsn_queue.warn_delayed(
         pool, after=3600, max_age=5 * 86400, hostname=HOST, lane_max_ages=[bulk_day]
     )
     assert warned.recipients == 1

@@ -18,7 +18,7 @@ from typing import Any
 import asyncpg
 
 from pigeon_mta.config import DestinationSettings
-from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.delivery_log import DeliveryLog
 from tests.conftest import run_pigeon
 from tests.integration.outbound_helpers import running_engine, send, wait_final
 from tests.peers.world import mail_world

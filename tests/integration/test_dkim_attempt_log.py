@@ -18,7 +18,7 @@ from typing import Any
 import asyncpg
 
 from pigeon_mta.config import RelaySettings, Settings
-from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.delivery_log import DeliveryLog
 from pigeon_mta.signer import DkimSigner
 from pigeon_mta.store.orgs import ensure_org
 from tests.conftest import run_pigeon

@@ -13,7 +13,7 @@ from collections import Counter
 import asyncpg
 
 from pigeon_mta.model import ClaimedRow
-from pigeon_mta.store import leases
+from pigeon_mta.store import claims
 from pigeon_mta.store.orgs import ensure_org
 from tests.integration.queue_helpers import LANE_WEIGHTS, bulk_queue
 
@@ -21,7 +21,7 @@ OWNER = "fair-test/run"
 
 
 async def claim_rows(pool: asyncpg.Pool, batch: int) -> list[ClaimedRow]:
-    claimed = await leases.claim_due_recipients(
+    claimed = await claims.claim_due_recipients(
         pool, owner=OWNER, lease=300, batch=batch, lane_weights=LANE_WEIGHTS
     )
     return claimed.rows
@@ -186,7 +186,7 @@ async def test_the_claim_takes_no_more_of_an_org_than_the_engine_has_room_for(
     await bulk_queue(pool, third, messages=200, domain="third.test", lane="transactional")
 
     async def claim(room: dict[uuid.UUID, int]) -> Counter[uuid.UUID]:
-        claimed = await leases.claim_due_recipients(
+        claimed = await claims.claim_due_recipients(
             pool,
             owner=OWNER,
             lease=300,
@@ -214,7 +214,7 @@ async def test_an_org_at_its_room_leaves_the_batch_to_the_others_and_it_fills(
     for n, other in enumerate(others):
         await bulk_queue(pool, other, messages=60, domain=f"o{n}.test", lane="bulk")
     for _ in range(5):
-        claimed = await leases.claim_due_recipients(
+        claimed = await claims.claim_due_recipients(
             pool,
             owner=OWNER,
             lease=300,

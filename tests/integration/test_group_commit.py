@@ -42,7 +42,7 @@ async def test_messages_arriving_together_share_commits_and_all_land(
     # received_at is the commit's transaction time: fewer distinct values than messages means
     # messages shared commits (40 messages, at most 16 per statement, two statements at once).
     assert 3 <= len({r["received_at"] for r in rows}) < 40
-    assert group.under_way == 0
+    assert not group._commits  # every commit task has ended
 
 
 async def test_a_message_the_database_refuses_fails_alone(
@@ -97,4 +97,4 @@ async def test_an_envelope_without_recipients_is_refused_before_any_commit(
     empty = Envelope(org_id=org_id, sender="", recipients=(), body=b"x", listener="relay")
     with pytest.raises(ValueError):
         await group.enqueue(new_id(), empty)
-    assert group.under_way == 0
+    assert not group._commits  # every commit task has ended

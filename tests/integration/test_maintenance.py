@@ -16,8 +16,9 @@ from pigeon_mta.config import (
     RetentionSettings,
     Settings,
 )
+from pigeon_mta.ids import id_floor
 from pigeon_mta.maintenance import Maintenance
-from pigeon_mta.store.upkeep import ExpiredRecipient, id_floor
+from pigeon_mta.store.upkeep import ExpiredRecipient
 from tests.integration.queue_helpers import bulk_queue
 
 

@@ -12,14 +12,13 @@ from typing import Any
 
 import asyncpg
 
+from pigeon_mta.delivery_log import DeliveryLog
 from pigeon_mta.delivery_records import EVENT_FIELDS
-from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
-from pigeon_mta.outbound.outcome import apply_outcomes
-from pigeon_mta.store.outcomes import record_attempts
+from pigeon_mta.outbound.apply import apply_outcomes
 from pigeon_mta.store.queue import enqueue
 from tests.conftest import run_pigeon
-from tests.integration.queue_helpers import claim
+from tests.integration.queue_helpers import claim, record_attempts
 
 REPLIES = [
     (Outcome.DEFERRED, Reply(451, "4.7.1", "Greylisted, please try again later")),
@@ -268,3 +267,16 @@ async def test_a_bounce_names_its_dsn_and_the_suppression_entry_it_made(
     assert code == 0, err
     [line] = [line for line in out.splitlines() if " Bounce " in line]
     assert f"DSN queued as {dsn_of[second]}" in line and "suppressed carol@example.org" in line
+
+    # The DSN's own story says what it is, as the API and webhook events do (kind "dsn").
+    code, out, err = await pigeon_log(db_url, str(dsn_of[first]), "--json")
+    assert code == 0, err
+    [reception] = [e for e in map(json.loads, out.splitlines()) if e["type"] == "Reception"]
+    assert reception["kind"] == "dsn"
+    code, out, err = await pigeon_log(db_url, str(dsn_of[first]))
+    assert code == 0, err
+    assert "a delivery status notification (DSN)" in out
+    code, out, err = await pigeon_log(db_url, str(first), "--json")
+    assert {
+        e.get("kind") for e in map(json.loads, out.splitlines()) if e["type"] == "Reception"
+    } == {"message"}

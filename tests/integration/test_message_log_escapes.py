@@ -9,9 +9,8 @@ from datetime import UTC, datetime
 import asyncpg
 
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
-from pigeon_mta.store.outcomes import record_attempts
 from pigeon_mta.store.queue import enqueue
-from tests.integration.queue_helpers import claim
+from tests.integration.queue_helpers import claim, record_attempts
 from tests.integration.test_message_log import pigeon_log
 
 HELO = "evil.example\x1b[2J\rforged"

@@ -15,8 +15,8 @@ import asyncpg
 import pytest
 from prometheus_client import REGISTRY
 
+from pigeon_mta.backoff import backoff_window
 from pigeon_mta.model import Delivery, Signed
-from pigeon_mta.outbound.outcome import backoff_window
 from tests.integration.outbound_helpers import (
     attempts,
     running_engine,

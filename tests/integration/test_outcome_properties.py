@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from pigeon_mta import metrics
 from pigeon_mta.config import DeliverySettings, ServerSettings, Settings
-from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.delivery_log import DeliveryLog
 from pigeon_mta.model import Outcome
 from pigeon_mta.outbound.attempt import Peer, RecipientResult
 from pigeon_mta.outbound.claims import Claims

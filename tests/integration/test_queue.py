@@ -13,10 +13,11 @@ import asyncpg
 import pytest
 
 from pigeon_mta.config import Settings
+from pigeon_mta.ids import id_floor
 from pigeon_mta.model import AttemptResult, Envelope, Outcome, Reply
-from pigeon_mta.store import leases, outcomes, queue, upkeep
+from pigeon_mta.store import claims, leases, outcomes, queue, upkeep
 from pigeon_mta.store.connect import server_settings
-from tests.integration.queue_helpers import bulk_queue, claim, results_for
+from tests.integration.queue_helpers import bulk_queue, claim, record_attempts, results_for
 
 OWNER = "node-a"
 
@@ -79,6 +80,26 @@ async def test_enqueue_is_atomic_when_a_recipient_insert_fails(
         await queue.enqueue_many(pool, batch)
     assert await count(pool, "message") == 0
     assert await count(pool, "recipient") == 0
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["one message", "a batch"])
+async def test_an_idn_recipient_is_grouped_under_the_name_it_is_routed_by(
+    pool: asyncpg.Pool, org_id: uuid.UUID, batch: bool
+) -> None:
+    """The grouping key of a recipient (its domain: the site queues, the claim, `queue`) is the
+    A-label spelling that routing and the destination limits use (domains.routing_domain)."""
+    message = envelope(org_id, "anna@Bücher.Example", "bob@xn--bcher-kva.example")
+    if batch:
+        await queue.enqueue_many(pool, [(uuid.uuid4(), message), (uuid.uuid4(), envelope(org_id))])
+    else:
+        await queue.enqueue(pool, message)
+    rows = await pool.fetch(
+        "SELECT address, domain FROM recipient WHERE address <> 'bob@example.net' ORDER BY address"
+    )
+    assert [(r["address"], r["domain"]) for r in rows] == [
+        ("anna@Bücher.Example", "xn--bcher-kva.example"),
+        ("bob@xn--bcher-kva.example", "xn--bcher-kva.example"),
+    ]
 
 
 async def test_a_lone_message_and_a_batch_write_the_same_rows(
@@ -208,7 +229,7 @@ async def test_eight_concurrent_claimers_take_every_row_exactly_once(
                 if not batch:
                     return taken
                 taken.extend(r.id for d in batch for r in d.recipients)
-                await outcomes.record_attempts(conn, results_for(batch, Outcome.DELIVERED))
+                await record_attempts(conn, results_for(batch, Outcome.DELIVERED))
 
     results = await asyncio.gather(*(claimer(f"claimer-{i}") for i in range(8)))
     everything = [rid for taken in results for rid in taken]
@@ -270,7 +291,7 @@ async def test_record_outcomes_in_one_batch(pool: asyncpg.Pool, org_id: uuid.UUI
         + results_for([deferred], Outcome.DEFERRED, retry_in=600, code=451)
         + results_for([bounced], Outcome.BOUNCED, code=550)
     )
-    applied = await outcomes.record_attempts(pool, results)
+    applied = await record_attempts(pool, results)
     assert len(applied) == 3
     rows = {
         r["message_id"]: r
@@ -302,11 +323,9 @@ async def test_a_stale_claim_cannot_overwrite_a_newer_one(
     await leases.requeue_expired_leases(pool)
     new = await claim(pool, owner=OWNER, lease=60, batch=1)
     # The slow node finally reports a bounce: it is logged, not applied.
-    assert (
-        await outcomes.record_attempts(pool, results_for(old, Outcome.BOUNCED, code=550)) == set()
-    )
+    assert await record_attempts(pool, results_for(old, Outcome.BOUNCED, code=550)) == set()
     assert await pool.fetchval("SELECT status FROM recipient") == "delivering"
-    assert await outcomes.record_attempts(pool, results_for(new, Outcome.DELIVERED)) != set()
+    assert await record_attempts(pool, results_for(new, Outcome.DELIVERED)) != set()
     assert await pool.fetchval("SELECT status FROM recipient") == "delivered"
     log = await pool.fetch(
         "SELECT outcome, applied FROM attempt WHERE code IS NOT NULL ORDER BY recorded_at"
@@ -326,7 +345,7 @@ async def test_stale_and_current_outcome_of_one_recipient_in_one_batch(
     new = await claim(pool, owner=OWNER, lease=60, batch=1)
     rid = new[0].recipients[0].id
     batch = [*results_for(old, Outcome.BOUNCED, code=550), *results_for(new, Outcome.DELIVERED)]
-    assert await outcomes.record_attempts(pool, batch) == {rid}
+    assert await record_attempts(pool, batch) == {rid}
     assert await pool.fetchval("SELECT status FROM recipient") == "delivered"
     log = await pool.fetch(  # code IS NULL: the sweeper's row for the lease that ran out
         "SELECT attempt, outcome, applied FROM attempt WHERE code IS NOT NULL ORDER BY attempt"
@@ -337,7 +356,7 @@ async def test_stale_and_current_outcome_of_one_recipient_in_one_batch(
     ]
     # An outcome for a recipient that does not exist is logged, not applied.
     ghost = AttemptResult(**{**vars(batch[1]), "recipient_id": uuid.uuid4()})
-    assert await outcomes.record_attempts(pool, [ghost]) == set()
+    assert await record_attempts(pool, [ghost]) == set()
 
 
 async def test_renew_and_release(pool: asyncpg.Pool, org_id: uuid.UUID) -> None:
@@ -386,7 +405,7 @@ async def test_claim_query_uses_the_partial_index(pool: asyncpg.Pool, org_id: uu
     await pool.execute("ANALYZE")
     async with pool.acquire() as conn, conn.transaction():
         plan = await conn.fetchval(
-            "EXPLAIN (FORMAT JSON) " + leases._CLAIM,
+            "EXPLAIN (FORMAT JSON) " + claims._CLAIM,
             300.0,
             OWNER,
             100,
@@ -437,7 +456,7 @@ async def test_deferred_without_next_attempt_is_refused(
     pool: asyncpg.Pool, org_id: uuid.UUID
 ) -> None:
     with pytest.raises(ValueError):
-        await outcomes.record_attempts(pool, [_result(uuid.uuid4(), uuid.uuid4(), org_id)])
+        await record_attempts(pool, [_result(uuid.uuid4(), uuid.uuid4(), org_id)])
 
 
 async def test_retention_purges_only_old_finished_messages(
@@ -448,10 +467,10 @@ async def test_retention_purges_only_old_finished_messages(
     deliveries = await claim(pool, owner=OWNER, lease=60, batch=10)
     done = [d for d in deliveries if d.message_id == old_done]
     waiting = [d for d in deliveries if d.message_id == old_waiting]
-    await outcomes.record_attempts(pool, results_for(done, Outcome.DELIVERED))
+    await record_attempts(pool, results_for(done, Outcome.DELIVERED))
     # One of old_waiting's recipients is final, the other still deferred: the message stays.
     first, second = results_for(waiting, Outcome.DEFERRED, code=451)
-    await outcomes.record_attempts(
+    await record_attempts(
         pool,
         [
             first,
@@ -461,7 +480,7 @@ async def test_retention_purges_only_old_finished_messages(
     await asyncio.sleep(1.5)
     fresh = await queue.enqueue(pool, envelope(org_id, "d@example.net"))
     fresh_done = await claim(pool, owner=OWNER, lease=60, batch=10)
-    await outcomes.record_attempts(pool, results_for(fresh_done, Outcome.DELIVERED))
+    await record_attempts(pool, results_for(fresh_done, Outcome.DELIVERED))
 
     # Messages received more than a second ago count as old here.
     assert await upkeep.purge_finished_messages(pool, older_than=1.0) == 1
@@ -480,7 +499,7 @@ async def test_retention_never_purges_recent_mail_whatever_its_id(
     # any recent UUIDv7. Their received time, not their id, decides.
     await bulk_queue(pool, org_id, messages=2000, status="delivered")
     low_ids = await pool.fetchval(
-        "SELECT count(*) FROM message WHERE id < $1", upkeep.id_floor(time.time() - 86400)
+        "SELECT count(*) FROM message WHERE id < $1", id_floor(time.time() - 86400)
     )
     assert low_ids > 0, "the test needs some ids that sort below the cutoff"
     assert await upkeep.purge_finished_messages(pool, older_than=86400) == 0

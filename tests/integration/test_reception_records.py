@@ -16,7 +16,7 @@ from typing import Any
 
 import asyncpg
 
-from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.delivery_log import DeliveryLog
 from pigeon_mta.intake.accept import Intake
 from pigeon_mta.submission.service import SubmissionService
 from tests.conftest import run_pigeon

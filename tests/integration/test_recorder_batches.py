@@ -11,7 +11,7 @@ import uuid
 import asyncpg
 
 from pigeon_mta.config import DeliverySettings, Duration, Settings
-from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.delivery_log import DeliveryLog
 from pigeon_mta.model import Outcome
 from pigeon_mta.outbound.claims import Claims
 from pigeon_mta.outbound.recorder import Recorder

@@ -21,7 +21,7 @@ import pytest
 
 from pigeon_mta import metrics
 from pigeon_mta.config import BounceSettings, Duration, Settings
-from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.delivery_log import DeliveryLog
 from pigeon_mta.model import AttemptResult, Outcome, Reply
 from pigeon_mta.observability.exposition import MetricsExposition
 from pigeon_mta.observability.health import Readiness

@@ -10,7 +10,7 @@ from collections import Counter
 import asyncpg
 
 from pigeon_mta.outbound.claims import group_deliveries
-from pigeon_mta.store import leases, suspensions
+from pigeon_mta.store import claims, leases, suspensions
 from pigeon_mta.store.orgs import ensure_org
 from tests.integration.queue_helpers import LANE_WEIGHTS, bulk_queue
 
@@ -41,8 +41,8 @@ async def in_site_queue(
     )
 
 
-async def claim(pool: asyncpg.Pool, batch: int = 100) -> leases.Claim:
-    return await leases.claim_due_recipients(
+async def claim(pool: asyncpg.Pool, batch: int = 100) -> claims.Claim:
+    return await claims.claim_due_recipients(
         pool, owner="site-test/run", lease=300, batch=batch, lane_weights=LANE_WEIGHTS, ahead=AHEAD
     )
 
@@ -237,7 +237,7 @@ async def test_the_site_claim_takes_no_more_of_an_org_than_the_engine_has_room_f
     await budget(pool, tokens=RATE)
 
     async def take(room: dict[uuid.UUID, int]) -> Counter[uuid.UUID]:
-        claimed = await leases.claim_due_recipients(
+        claimed = await claims.claim_due_recipients(
             pool,
             owner="site-test/run",
             lease=300,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import asyncpg
 
-from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.delivery_log import DeliveryLog
 from pigeon_mta.intake.accept import Intake
 from pigeon_mta.store import connect as store_connect
 from pigeon_mta.submission.service import SubmissionService

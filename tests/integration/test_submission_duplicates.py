@@ -20,7 +20,7 @@ import asyncpg
 from prometheus_client import REGISTRY
 
 from pigeon_mta.config import Duration, Settings
-from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.delivery_log import DeliveryLog
 from pigeon_mta.intake.accept import Intake
 from pigeon_mta.submission.service import SubmissionService
 from tests.conftest import run_pigeon

@@ -16,7 +16,7 @@ import asyncpg
 import pytest
 
 from pigeon_mta.config import Duration, Settings, WebhookSettings
-from pigeon_mta.deliverylog import DeliveryLog
+from pigeon_mta.delivery_log import DeliveryLog
 from pigeon_mta.model import AttemptResult, Outcome, Reply
 from pigeon_mta.outbound.claims import Claims
 from pigeon_mta.outbound.recorder import Recorder
@@ -25,6 +25,7 @@ from pigeon_mta.store import webhooks as store_webhooks
 from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.webhooks.sender import RecordInterrupted, WebhookSender, record_results
 from pigeon_mta.webhooks.signing import new_secret
+from tests.integration.queue_helpers import record_attempts
 from tests.integration.test_bounces import claim_all, result
 from tests.integration.test_webhook_outbox import send
 from tests.peers.webhook_receiver import WebhookReceiver
@@ -215,7 +216,7 @@ async def test_a_hostile_endpoints_reply_never_stops_the_senders_record(
     good = await store_webhooks.add_webhook(
         pool, org_id, receiver.url, ["delivered"], receiver.secret
     )
-    await outcomes.record_attempts(pool, await delivered(pool, org_id, 3))
+    await record_attempts(pool, await delivered(pool, org_id, 3))
     settings = WebhookSettings(poll_interval=Duration(0.2), concurrency_per_endpoint=8)
     sender = WebhookSender(settings, pool)
     await sender.start()
@@ -250,7 +251,7 @@ async def test_a_result_the_database_refuses_costs_that_result_not_the_record(
     are recorded, the third is left to its lease (its event is sent again), and nothing raises.
     A database that is away interrupts the record with what it did not record."""
     await store_webhooks.add_webhook(pool, org_id, "http://127.0.0.1:9/h", ["delivered"], "s")
-    await outcomes.record_attempts(pool, await delivered(pool, org_id, 3))
+    await record_attempts(pool, await delivered(pool, org_id, 3))
     async with pool.acquire() as conn:
         claimed = await store_webhooks.claim_due_events(conn, room=8, busy={}, lease=60)
     later = datetime.now(UTC) + timedelta(seconds=60)

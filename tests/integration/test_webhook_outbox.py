@@ -16,6 +16,7 @@ from pigeon_mta.model import DSN_LISTENER, Envelope, Outcome, Reply
 from pigeon_mta.outbound import outcome
 from pigeon_mta.store import outcomes, queue, upkeep
 from pigeon_mta.store import webhooks as store_webhooks
+from tests.integration.queue_helpers import record_attempts
 from tests.integration.test_bounces import claim_all, result
 
 BODY = b"From: alice@example.com\r\nMessage-ID: <m1@example.com>\r\n\r\nhi\r\n"
@@ -53,7 +54,7 @@ async def test_expiry_writes_an_expired_event_with_the_last_reply(
     deferred = dataclasses.replace(
         result(delivery, "bob@example.net", Outcome.DEFERRED, greylisted), next_attempt_at=later
     )
-    await outcomes.record_attempts(pool, [deferred])
+    await record_attempts(pool, [deferred])
     assert await events(pool) == []  # deferred: not asked for
     await pool.execute("UPDATE recipient SET created_at = now() - interval '6 days'")
 
@@ -92,8 +93,8 @@ async def test_suppressed_outcomes_are_events_and_stale_claims_are_not(
     ok = result(keep[0], "ok@example.net", Outcome.DELIVERED, Reply(250, "2.0.0", "ok"))
     stale = dataclasses.replace(ok, attempt=ok.attempt + 1)  # a claim that no longer holds
 
-    await outcomes.record_attempts(pool, [*suppressed, stale])
-    await outcomes.record_attempts(pool, [ok])
+    await record_attempts(pool, [*suppressed, stale])
+    await record_attempts(pool, [ok])
 
     found = sorted((e["type"], e["data"]["recipient"]) for e in await events(pool))
     assert found == [("delivered", "ok@example.net"), ("suppressed", "gone@example.net")]
@@ -225,6 +226,6 @@ async def test_an_event_of_a_dsn_says_so(pool: asyncpg.Pool, org_id: uuid.UUID) 
         for d in deliveries
         for r in d.recipients
     ]
-    await outcomes.record_attempts(pool, delivered)
+    await record_attempts(pool, delivered)
     kinds = {e["data"]["queue_id"]: e["data"]["kind"] for e in await events(pool)}
     assert kinds == {str(dsn): "dsn", str(mail): "message"}

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY
 
-from pigeon_mta import deliverylog
+from pigeon_mta import delivery_log
+from pigeon_mta.delivery_log import DeliveryLog
 from pigeon_mta.delivery_records import EVENT_FIELDS, attempt_records, reception_records
-from pigeon_mta.deliverylog import DeliveryLog
 from pigeon_mta.model import AttemptResult, ClaimedRecipient, Delivery, Envelope, Outcome, Reply
 from tests.conftest import REPO
 
@@ -161,7 +161,7 @@ def test_records_go_to_a_file_one_json_object_per_line(tmp_path: Path) -> None:
 def test_an_empty_target_turns_the_log_off_and_a_dash_is_stdout() -> None:
     assert DeliveryLog.open("").description == "off"
     DeliveryLog.open("").reception(QUEUE_ID, envelope())
-    code = "from pigeon_mta.deliverylog import DeliveryLog; print('start', flush=True); " + (
+    code = "from pigeon_mta.delivery_log import DeliveryLog; print('start', flush=True); " + (
         "import tests.unit.test_deliverylog as t; "
         "DeliveryLog.open('-').reception(t.QUEUE_ID, t.envelope())"
     )
@@ -178,7 +178,7 @@ WRITER = textwrap.dedent(
     """
     import sys, uuid
     from datetime import UTC, datetime
-    from pigeon_mta.deliverylog import DeliveryLog
+    from pigeon_mta.delivery_log import DeliveryLog
     from pigeon_mta.delivery_records import event_record
     log = DeliveryLog.open(sys.argv[1])
     who = sys.argv[2]
@@ -231,7 +231,7 @@ def test_a_record_too_long_for_a_pipe_keeps_its_fields_and_is_valid_json() -> No
         "recipient": "b@example.net",
         "response": 'é"' * 3000,  # 2 bytes and an escaped quote each: JSON is longer than text
     }
-    line = deliverylog._line(record, 4096)
+    line = delivery_log._line(record, 4096)
     assert 4096 - 4 <= len(line) <= 4096 and line.endswith(b"\n")  # as much kept as fits
     parsed = json.loads(line)
     assert list(parsed) == list(record)
@@ -241,10 +241,10 @@ def test_a_record_too_long_for_a_pipe_keeps_its_fields_and_is_valid_json() -> No
     assert parsed["response"].startswith('é"é') and parsed["response"].endswith("[truncated]")
     # The longest free text is cut first; identifiers and addresses never are.
     other = dict(record, response="a short reply", message_id="y" * 6000)
-    parsed = json.loads(deliverylog._line(other, 4096))
+    parsed = json.loads(delivery_log._line(other, 4096))
     assert parsed["response"] == "a short reply" and parsed["message_id"].endswith("[truncated]")
     assert (
-        deliverylog._line(record, None)
+        delivery_log._line(record, None)
         == (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
     )
 
@@ -334,7 +334,7 @@ def test_a_closed_stdout_writes_nowhere_and_says_so(tmp_path: Path) -> None:
     code = textwrap.dedent(
         """
         import os, sys
-        from pigeon_mta.deliverylog import DeliveryLog
+        from pigeon_mta.delivery_log import DeliveryLog
         log = DeliveryLog.open("-")
         fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT)  # takes descriptor 1
         log.write([{"type": "Reception", "recipient": "b@example.net"}])

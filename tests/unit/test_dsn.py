@@ -8,7 +8,7 @@ import email.policy
 import uuid
 from datetime import UTC, datetime, timedelta
 
-from pigeon_mta.bounce import (
+from pigeon_mta.dsn import (
     OriginalMessage,
     RecipientReport,
     build_bounce,

@@ -1,4 +1,4 @@
-"""Every member of aiosmtpd, aiosmtplib and asyncio that pigeon-mta uses without it being their
+"""Every member of aiosmtpd, aiosmtplib, aiohttp, asyncio and the email package that pigeon-mta uses without it being their
 documented API: each must still exist, as the same kind of thing, with the same parameters.
 
 pyproject.toml pins both SMTP libraries below their next minor version; this test is what to run
@@ -10,6 +10,7 @@ but undocumented ones the outbound transport takeover relies on.)
 from __future__ import annotations
 
 import asyncio
+import email.policy
 import inspect
 import re
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from typing import Literal
 import aiosmtplib
 import aiosmtplib.protocol
 import pytest
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 from aiosmtpd.smtp import SMTP, Session
 
 Kind = Literal["method", "coroutine method", "property", "attribute"]
@@ -62,6 +65,17 @@ SEAMS = [
     Seam(aiosmtplib.protocol.SMTPProtocol, "transport", "attribute", "connect.take_over"),
     Seam(aiosmtplib.protocol.SMTPProtocol, "connection_lost", "method",
          "wire.Wire.connection_lost tells aiosmtplib the connection ended", ("self", "exc")),
+    # aiohttp's server: web.py answers what its HTTP parser refuses with the API's problem+json
+    Seam(web.AppRunner, "_make_server", "coroutine method", "web._Runner swaps in web._Server",
+         ("self",)),
+    Seam(web.Server, "_loop", "attribute", "web._Server makes its handlers as aiohttp does"),
+    Seam(web.Server, "_kwargs", "attribute", "web._Server makes its handlers as aiohttp does"),
+    Seam(RequestHandler, "_manager", "attribute", "web._Handler finds its server's answer"),
+    Seam(RequestHandler, "handle_error", "method", "web._Handler.handle_error overrides it",
+         ("self", "request", "status", "exc", "message")),
+    # the standard library's compat32 policy: api/mime.py writes short fields without a Header
+    Seam(email.policy.Compat32, "_fold", "method", "mime._Write._fold skips the Header",
+         ("self", "name", "value", "sanitize")),
 ]  # fmt: skip
 
 

@@ -8,9 +8,10 @@ import ssl
 import aiosmtplib
 import pytest
 
+from pigeon_mta.backoff import backoff_delay, backoff_window
 from pigeon_mta.model import Outcome, Reply
 from pigeon_mta.outbound.classify import Stage, classify, parse_reply
-from pigeon_mta.outbound.outcome import backoff_delay, backoff_window, give_up_repeated_failure
+from pigeon_mta.outbound.outcome import give_up_repeated_failure
 
 D, B, X = Outcome.DELIVERED, Outcome.BOUNCED, Outcome.DEFERRED
 

@@ -8,11 +8,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from pigeon_mta.backoff import backoff_window
 from pigeon_mta.config import DeliverySettings, Duration
 from pigeon_mta.model import AttemptResult, ClaimedRecipient, Delivery, Outcome, Reply
 from pigeon_mta.outbound.attempt import Peer, RecipientResult
 from pigeon_mta.outbound.classify import Stage
-from pigeon_mta.outbound.outcome import LOCAL_FAILURE_LIMIT, backoff_window, judge
+from pigeon_mta.outbound.outcome import LOCAL_FAILURE_LIMIT, judge
 from pigeon_mta.signer import KeysUnavailable
 
 NOW = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)

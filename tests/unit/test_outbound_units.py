@@ -1,4 +1,4 @@
-"""Small pure pieces of the outbound side: wire format, token bucket, destination policy."""
+"""Small pure pieces of the outbound side: wire format, destination policy."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from pigeon_mta.config import DeliverySettings, DestinationSettings
 from pigeon_mta.outbound import limits
 from pigeon_mta.outbound.attempt import wire_message
-from pigeon_mta.outbound.limits import TokenBucket, policy_for
+from pigeon_mta.outbound.limits import policy_for
 from pigeon_mta.outbound.mx import Hop, Route, ascii_domain
 
 
@@ -22,31 +22,6 @@ from pigeon_mta.outbound.mx import Hop, Route, ascii_domain
 )
 def test_wire_message_ends_lines_with_crlf_and_stuffs_dots(body: bytes, wire: bytes) -> None:
     assert wire_message(body) == wire
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_token_bucket_allows_a_burst_then_the_rate() -> None:
-    clock = Clock()
-    bucket = TokenBucket(rate=2, burst=3, clock=clock)
-    assert [bucket.reserve() for _ in range(3)] == [0, 0, 0]
-    assert bucket.reserve() == pytest.approx(0.5)
-    assert bucket.reserve() == pytest.approx(1.0)
-    bucket.refund()
-    clock.now += 10
-    assert [bucket.reserve() for _ in range(3)] == [0, 0, 0]  # refilled, but never above burst
-    assert bucket.reserve() == pytest.approx(0.5)
-
-
-def test_token_bucket_without_a_rate_never_waits() -> None:
-    bucket = TokenBucket(rate=0, burst=1)
-    assert {bucket.reserve() for _ in range(1000)} == {0}
 
 
 def route(domain: str, *hosts: str) -> Route:

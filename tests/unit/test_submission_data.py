@@ -127,7 +127,7 @@ async def test_hang_up_mid_data() -> None:
 
 
 async def test_bare_lf_lines_are_measured_as_lines_and_folded_after_becoming_crlf() -> None:
-    """Many applications end lines with a bare LF (submission.fixups makes them CRLF): such a
+    """Many applications end lines with a bare LF (intake/fixups.py makes them CRLF): such a
     message is not one long line. Short LF lines stay as they are; a long one is folded."""
     short = b"Subject: hi\nTo: b@example.net\n\n" + b"a line of text\n" * 80
     data = (await feed(short + b"\r\n.\r\n", [100]))[0]

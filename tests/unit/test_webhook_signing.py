@@ -10,9 +10,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
+from pigeon_mta.backoff import backoff_delay
 from pigeon_mta.config import Duration, WebhookSettings
 from pigeon_mta.store.webhooks import ClaimedEvent
-from pigeon_mta.webhooks.sender import HttpReply, judge, retry_delay
+from pigeon_mta.webhooks.sender import HttpReply, judge
 from pigeon_mta.webhooks.signing import SECRET_PREFIX, new_secret, secret_key, signed_headers
 
 
@@ -65,8 +66,8 @@ def test_judge_retries_until_max_age(
     assert result.status == reply.status
 
 
-def test_retry_delay_doubles_with_jitter_up_to_the_maximum() -> None:
+def test_the_retry_delay_of_an_event_doubles_with_jitter_up_to_the_maximum() -> None:
     rng = random.Random(7)
     for attempts, base in [(1, 10), (2, 20), (3, 40), (7, 600), (50, 600)]:
-        delays = [retry_delay(attempts, 10, 600, rng) for _ in range(200)]
-        assert base * 0.75 <= min(delays) < max(delays) <= base * 1.25
+        delays = [backoff_delay(attempts, 10, 600, rng) for _ in range(200)]
+        assert max(10, base * 0.75) <= min(delays) < max(delays) <= min(600, base * 1.25)
