@@ -162,7 +162,7 @@ def test_an_empty_target_turns_the_log_off_and_a_dash_is_stdout() -> None:
     assert DeliveryLog.open("").description == "off"
     DeliveryLog.open("").reception(QUEUE_ID, envelope())
     code = "from pigeon_mta.delivery_log import DeliveryLog; print('start', flush=True); " + (
-        "import tests.unit.test_deliverylog as t; "
+        "import tests.unit.test_delivery_log as t; "
         "DeliveryLog.open('-').reception(t.QUEUE_ID, t.envelope())"
     )
     out = _python(code)
