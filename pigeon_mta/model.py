@@ -55,6 +55,10 @@ EVENT_TYPE = {
 
 
 # The listener name recorded on DSNs (dsn.py builds them), which no client submitted.
+# The category of every expiry, whoever decides it: the engine, when a deferral's next try would
+# come after max_age (outbound/outcome.py, outbound/shaping.py; the last reply's own category is
+# kept in the rule), and the sweeper, for due mail past it (store/upkeep.py).
+EXPIRED_CATEGORY = "expired"
 DSN_LISTENER = "bounce"
 
 

@@ -14,7 +14,14 @@ from datetime import datetime, timedelta
 
 from pigeon_mta.backoff import backoff_delay
 from pigeon_mta.config import DeliverySettings
-from pigeon_mta.model import AttemptResult, ClaimedRecipient, Delivery, Outcome, Reply
+from pigeon_mta.model import (
+    EXPIRED_CATEGORY,
+    AttemptResult,
+    ClaimedRecipient,
+    Delivery,
+    Outcome,
+    Reply,
+)
 from pigeon_mta.outbound.attempt import Peer, RecipientResult
 from pigeon_mta.outbound.classify import (
     Category,
@@ -67,6 +74,8 @@ def judge(
         if outcome != Outcome.DELIVERED:
             bounce_class = classify_reply(verdict.reply)
             category, rule = str(bounce_class.category), f"{rule}; {bounce_class.rule}"
+            if outcome == Outcome.EXPIRED:
+                category = EXPIRED_CATEGORY
             if next_at is not None and bounce_class.category == Category.RATE_LIMITED:
                 next_at = _after_stated_delay(next_at, verdict.reply, now)
         out.append(

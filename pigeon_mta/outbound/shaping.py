@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from pigeon_mta.config_shaping import ShapingRuleSettings, ShapingSettings
-from pigeon_mta.model import AttemptResult, Outcome, Reply
+from pigeon_mta.model import EXPIRED_CATEGORY, AttemptResult, Outcome, Reply
 from pigeon_mta.outbound.classify import CLASSIFY_PREFIX
 
 # A recipient deferred by a rate or sessions rule after a permanent reply is tried again this soon
@@ -175,7 +175,11 @@ def _changed(
     if expires is not None and next_at > expires:
         # The retry would come after the recipient's max age: it expires now, with this reply.
         return dataclasses.replace(
-            result, outcome=Outcome.EXPIRED, next_attempt_at=None, rule=named + "; max-age"
+            result,
+            outcome=Outcome.EXPIRED,
+            next_attempt_at=None,
+            category=EXPIRED_CATEGORY,
+            rule=named + "; max-age",
         )
     return dataclasses.replace(
         result, outcome=Outcome.DEFERRED, next_attempt_at=next_at, rule=named

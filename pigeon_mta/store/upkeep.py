@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pigeon_mta.ids import id_floor
+from pigeon_mta.model import EXPIRED_CATEGORY
 from pigeon_mta.store.executor import Executor
 from pigeon_mta.store.webhooks import backlog as webhook_backlog
 from pigeon_mta.store.webhooks import event_payload, header_message_id, message_kind
@@ -29,7 +30,7 @@ _WEBHOOK_PAYLOAD = event_payload(
     code="e.last_code",
     enhanced_code="e.last_enhanced_code",
     response=_EXPIRE_RESPONSE,
-    category="'expired'",
+    category=f"'{EXPIRED_CATEGORY}'",
     attempt="e.attempts",
 )
 
@@ -65,7 +66,7 @@ WITH lane_age AS (
 INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, outcome,
                      code, enhanced_code, response, category)
 SELECT gen_random_uuid(), e.id, e.message_id, e.org_id, e.attempts, now(), 'expired',
-       e.last_code, e.last_enhanced_code, {_EXPIRE_RESPONSE}, 'expired'
+       e.last_code, e.last_enhanced_code, {_EXPIRE_RESPONSE}, '{EXPIRED_CATEGORY}'
 FROM e
 RETURNING recipient_id, message_id
 """

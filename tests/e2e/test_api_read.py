@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
 from pathlib import Path
@@ -22,26 +21,12 @@ from typing import Any
 import aiohttp
 import asyncpg
 
-from tests.conftest import REPO, free_port, run_pigeon
+from tests.conftest import free_port
 from tests.e2e.serve_process import ServeProcess, write_config
+from tests.e2e.shared import pigeon_ok as pigeon
+from tests.e2e.shared import readme_block, settled
 from tests.peers.dkim_verify import dkim_zone, dkimpy_verify
 from tests.peers.smtp_sink import SinkState, start_sink, stop_servers
-
-README = (REPO / "README.md").read_text()
-
-
-def pigeon(db_url: str, *args: str) -> str:
-    result = run_pigeon(*args, env={"PIGEON_DATABASE_URL": db_url})
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
-def readme_sh(marker: str) -> str:
-    """README's ```sh block that contains `marker`."""
-    blocks = re.findall(r"^```sh\n(.*?)^```$", README, re.M | re.S)
-    found = [block for block in blocks if marker in block]
-    assert len(found) == 1, f"README has {len(found)} sh blocks with {marker!r}"
-    return str(found[0])
 
 
 def json_documents(text: str) -> list[Any]:
@@ -53,13 +38,6 @@ def json_documents(text: str) -> list[Any]:
         document, at = decoder.raw_decode(text, at)
         documents.append(document)
     return documents
-
-
-async def settled(pool: asyncpg.Pool) -> bool:
-    live = await pool.fetchval(
-        "SELECT count(*) FROM recipient WHERE status IN ('queued', 'delivering')"
-    )
-    return live == 0
 
 
 async def test_api_mail_is_signed_and_its_timeline_is_the_log_and_readme_curl_works(
@@ -143,7 +121,7 @@ poll_interval = "250ms"
         }
 
         # README's curl examples, with this node's port and the test's addresses.
-        script = readme_sh("/v1/suppressions")
+        script = readme_block("sh", "/v1/suppressions")
         for placeholder, value in (
             ("127.0.0.1:8025", f"127.0.0.1:{api_port}"),
             ("ann@example.net", "ann@sink.test"),

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -26,27 +25,13 @@ import aiohttp
 import aiosmtplib
 import asyncpg
 
-from tests.conftest import REPO, free_port, run_pigeon
+from tests.conftest import free_port, run_pigeon
 from tests.e2e.serve_process import ServeProcess, descendants, write_config
+from tests.e2e.shared import pigeon_ok as pigeon
+from tests.e2e.shared import readme_block, settled
 from tests.e2e.tcp_table import LISTEN, socket_inodes, tcp_sockets
 from tests.e2e.test_observability import answered, eventually
 from tests.peers.smtp_sink import SinkState, start_sink, stop_servers
-
-README = REPO / "README.md"
-
-
-def readme_example(marker: str) -> str:
-    """README's ```python block that contains `marker`."""
-    blocks = re.findall(r"^```python\n(.*?)^```$", README.read_text(), re.M | re.S)
-    found = [block for block in blocks if marker in block]
-    assert len(found) == 1, f"README has {len(found)} python blocks with {marker!r}"
-    return str(found[0])
-
-
-def pigeon(db_url: str, *args: str) -> str:
-    result = run_pigeon(*args, env={"PIGEON_DATABASE_URL": db_url})
-    assert result.returncode == 0, result.stderr
-    return result.stdout
 
 
 async def send(
@@ -55,13 +40,6 @@ async def send(
     sent = {"Authorization": f"Bearer {key}", **headers}
     async with session.post(url + "/v1/messages", json=body, headers=sent) as answer:
         return answer.status, await answer.read()
-
-
-async def settled(pool: asyncpg.Pool) -> bool:
-    live = await pool.fetchval(
-        "SELECT count(*) FROM recipient WHERE status IN ('queued', 'delivering')"
-    )
-    return live == 0
 
 
 async def test_a_message_sent_over_http_is_delivered_and_logged_and_repeats_are_sent_once(
@@ -152,7 +130,7 @@ delivery_log = "{tmp_path}/delivery.log"
         assert await pool.fetchval("SELECT count(*) FROM message") == 2
 
         # README's Python example, with this node's port and the test's domains.
-        readme = readme_example("PIGEON_API_KEY")
+        readme = readme_block("python", "PIGEON_API_KEY")
         for placeholder, value in (
             ("127.0.0.1:8025", f"127.0.0.1:{api_port}"),
             ("shop@example.com", "shop@acme.example"),

@@ -12,15 +12,10 @@ import asyncpg
 from pigeon_mta.model import AttemptResult, Outcome, Reply
 from pigeon_mta.store.orgs import ensure_org
 from tests.conftest import run_pigeon
+from tests.e2e.shared import pigeon_json as pigeon
 from tests.integration.queue_helpers import bulk_queue, record_attempts
 
 HOUR = 3600
-
-
-def pigeon(db_url: str, *args: str) -> Any:
-    result = run_pigeon(*args, "--json", env={"PIGEON_DATABASE_URL": db_url})
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
 
 
 async def deferred(

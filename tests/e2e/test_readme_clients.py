@@ -28,10 +28,10 @@ import pytest
 
 from tests.conftest import REPO, free_port, run_pigeon
 from tests.e2e.serve_process import ServeProcess, write_config
+from tests.e2e.shared import readme_block
 from tests.peers.smtp_sink import SinkState, start_sink, stop_servers
 from tests.peers.webhook_receiver import WebhookReceiver
 
-README = (REPO / "README.md").read_text()
 NODE_MODULES = REPO / ".venv" / "peers" / "node" / "node_modules"
 PASSWORD = "readme example password"
 
@@ -39,24 +39,6 @@ PASSWORD = "readme example password"
 README_PORT = "2587"
 README_CA_FILE = "/var/lib/pigeon-mta/tls/selfsigned.pem"
 README_PASSWORD = "PASSWORD"
-
-
-def snippet(language: str, marker: str) -> str:
-    """The README code block of `language` ("" for a plain one) that contains `marker`."""
-    blocks: list[tuple[str, list[str]]] = []
-    current: list[str] | None = None
-    for line in README.splitlines():
-        if current is None and line.startswith("```"):
-            current = []
-            blocks.append((line[3:].strip(), current))
-        elif current is not None and line == "```":
-            current = None
-        elif current is not None:
-            current.append(line)
-    found = ["\n".join(body) + "\n" for lang, body in blocks if lang == language]
-    found = [block for block in found if marker in block]
-    assert len(found) == 1, f"README has {len(found)} ```{language} blocks with {marker!r}"
-    return found[0]
 
 
 def substitute(text: str, replacements: dict[str, str]) -> str:
@@ -130,7 +112,7 @@ delivery_log = ""
 
         # Python: the snippet as a script.
         python = substitute(
-            snippet("python", "smtplib"),
+            readme_block("python", "smtplib"),
             {f", {README_PORT}\n": f", {port}\n", README_CA_FILE: ca_file.group(1)},
         )
         (tmp_path / "send.py").write_text(python)
@@ -140,7 +122,7 @@ delivery_log = ""
 
         # Node.js: send.js next to the nodemailer scripts/test installed; the command line of
         # its first comment gives the environment.
-        js = snippet("js", "nodemailer")
+        js = readme_block("js", "nodemailer")
         command_line = js.splitlines()[0]
         assert f"NODE_EXTRA_CA_CERTS={README_CA_FILE} " in command_line, command_line
         js = substitute(js, {f"port: {README_PORT},": f"port: {port},"})
@@ -158,7 +140,7 @@ delivery_log = ""
 
         # msmtp: the configuration file as README gives it, and cron's message (From: root).
         msmtprc = substitute(
-            snippet("", "tls_starttls"),
+            readme_block("", "tls_starttls"),
             {
                 f"port {README_PORT}\n": f"port {port}\n",
                 README_CA_FILE: ca_file.group(1),
@@ -214,7 +196,7 @@ async def test_readme_webhook_verification_accepts_a_real_ping_and_refuses_a_for
         await receiver.stop()
     [ping] = receiver.requests
 
-    code = substitute(snippet("python", "webhook-signature"), {'"whsec_..."': repr(secret)})
+    code = substitute(readme_block("python", "webhook-signature"), {'"whsec_..."': repr(secret)})
     namespace: dict[str, Any] = {}
     exec(compile(code, "README.md", "exec"), namespace)
     verify = namespace["verify"]

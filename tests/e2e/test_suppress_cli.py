@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import uuid
-from typing import Any
 
 import asyncpg
 
 from tests.conftest import run_pigeon
+from tests.e2e.shared import pigeon_json as pigeon
 from tests.integration.queue_helpers import suppressed_at_claim
-
-
-def pigeon(db_url: str, *args: str) -> Any:
-    result = run_pigeon(*args, "--json", env={"PIGEON_DATABASE_URL": db_url})
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
 
 
 def failing(db_url: str, *args: str) -> str:

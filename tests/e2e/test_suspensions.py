@@ -16,18 +16,13 @@ import asyncpg
 
 from pigeon_mta.store.orgs import ensure_org
 from tests.conftest import run_pigeon
+from tests.e2e.shared import pigeon_ok as pigeon
 from tests.e2e.test_budgets import node_config, queue_to, sinks, start_node, stop
 from tests.peers.smtp_sink import SinkState
 
 __all__ = ["sinks"]  # the fixture, used by name
 
 COUNT = 20
-
-
-def pigeon(db_url: str, *args: str) -> str:
-    result = run_pigeon(*args, env={"PIGEON_DATABASE_URL": db_url})
-    assert result.returncode == 0, (args, result.stderr)
-    return result.stdout
 
 
 async def test_suspended_mail_waits_on_both_nodes_until_resumed_or_its_time_ends(

@@ -6,18 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from typing import Any
 
 import asyncpg
 
 from tests.conftest import free_port, run_pigeon
+from tests.e2e.shared import pigeon_json as pigeon
 from tests.peers.webhook_receiver import WebhookReceiver
-
-
-def pigeon(db_url: str, *args: str) -> Any:
-    result = run_pigeon(*args, "--json", env={"PIGEON_DATABASE_URL": db_url})
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
 
 
 def failing(db_url: str, *args: str) -> str:

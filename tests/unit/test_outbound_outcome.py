@@ -10,7 +10,14 @@ import pytest
 
 from pigeon_mta.backoff import backoff_window
 from pigeon_mta.config import DeliverySettings, Duration
-from pigeon_mta.model import AttemptResult, ClaimedRecipient, Delivery, Outcome, Reply
+from pigeon_mta.model import (
+    EXPIRED_CATEGORY,
+    AttemptResult,
+    ClaimedRecipient,
+    Delivery,
+    Outcome,
+    Reply,
+)
 from pigeon_mta.outbound.attempt import Peer, RecipientResult
 from pigeon_mta.outbound.classify import Stage
 from pigeon_mta.outbound.outcome import LOCAL_FAILURE_LIMIT, judge
@@ -119,7 +126,9 @@ def test_a_deferral_whose_next_try_would_come_after_max_age_expires_now() -> Non
     )
     assert (outcome, next_at) == (E, None)
     assert rule is not None and rule.startswith("temporary; max-age; ")
-    assert category is not None
+    # The category every expiry has, the sweeper's too (store/upkeep.py); the reply's own
+    # category's rule stays in the rule.
+    assert category == EXPIRED_CATEGORY == "expired"
 
 
 def test_the_same_local_failure_on_every_attempt_bounces_but_a_database_blip_never_does() -> None:

@@ -264,6 +264,7 @@ def test_a_recipient_a_rule_would_retry_after_its_max_age_expires_now(tmp_path: 
     }
     out, actions = shaping.apply([old, young], rules, "site:x", NOW, expires)
     assert out[0].outcome == Outcome.EXPIRED and out[0].next_attempt_at is None
+    assert out[0].category == "expired"  # as the sweeper says it (model.EXPIRED_CATEGORY)
     assert out[0].rule == "temporary; shaping blocked: suspend all for 10m; max-age"
     assert out[1].outcome == Outcome.DEFERRED
     assert len(actions) == 1  # the suspension is asked for all the same
