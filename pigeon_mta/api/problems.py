@@ -141,19 +141,22 @@ def database_unavailable(consequence: str) -> Problem:
     )
 
 
-def database_error(exc: BaseException, consequence: str, who: str) -> Problem:
-    """The answer to a database call that raised `exc`, logged for `who` ("API read of key K").
-    A value the database refuses (`is_bad_input`: a NUL, a lone surrogate, a date out of its
-    range) is the client's, 422, logged as such: a client must not be able to fake a database
-    outage, and its alerts, at will. Anything else is the database's trouble, 503."""
+def database_error(exc: BaseException, consequence: str, who: str | None) -> Problem:
+    """The answer to a database call that raised `exc`, logged for `who` ("API read of key K";
+    None: the caller logged it already, as the intake does). A value the database refuses
+    (`is_bad_input`: a NUL, a lone surrogate, a date out of its range) is the client's, 422,
+    logged as such: a client must not be able to fake a database outage, and its alerts, at will.
+    Anything else is the database's trouble, 503."""
     if is_bad_input(exc):
-        log.info("%s: refused a value the database cannot store: %s", who, exc)
+        if who is not None:
+            log.info("%s: refused a value the database cannot store: %s", who, exc)
         return Problem(
             INVALID_VALUE,
             "A value of the request cannot be stored (a NUL character, an unpaired surrogate, "
             "or a date or number out of range).",
         )
-    log.warning("%s: database trouble: %s", who, exc)
+    if who is not None:
+        log.warning("%s: database trouble: %s", who, exc)
     return database_unavailable(consequence)
 
 

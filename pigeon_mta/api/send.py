@@ -271,6 +271,5 @@ def problem_of(refusal: Refusal, key: ApiKey, composed: Composed, settings: Sett
         # The commit may have happened with its answer lost: a repeat (with the same
         # Idempotency-Key, which keeps its claim) finds the message by its id.
         return problems.database_unavailable(_NOT_CONFIRMED)
-    return problems.database_error(
-        refusal.error, "the message was not queued", f"API request of key {key.id}"
-    )
+    # The intake logged it, with the submitter and the client.
+    return problems.database_error(refusal.error, "the message was not queued", None)

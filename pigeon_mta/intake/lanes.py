@@ -64,17 +64,17 @@ def choose_lane(
     if asked is not None:
         if asked.strip().lower() not in lanes:
             return LaneChoice(
-                "", Refusal(Reason.UNKNOWN_LANE, lanes=(_shown(asked),), asked_by_request=True)
+                "", Refusal(Reason.UNKNOWN_LANE, lanes=(shown(asked),), asked_by_request=True)
             )
         fields = (asked,)
     named = list(dict.fromkeys(v.strip().lower() for v in fields if v.strip()))
     if len(named) > 1:
-        return LaneChoice("", Refusal(Reason.LANES_DIFFER, lanes=tuple(map(_shown, named))))
+        return LaneChoice("", Refusal(Reason.LANES_DIFFER, lanes=tuple(map(shown, named))))
     if not named:
         return LaneChoice(operators)
     wanted = named[0]
     if wanted not in lanes:
-        return LaneChoice("", Refusal(Reason.UNKNOWN_LANE, lanes=(_shown(wanted),)))
+        return LaneChoice("", Refusal(Reason.UNKNOWN_LANE, lanes=(shown(wanted),)))
     if header == "lower" and wanted != operators and not _no_more(lanes, wanted, operators):
         return LaneChoice(
             operators,
@@ -127,7 +127,7 @@ def _warn_stale_user_lane(user: str, lane: str) -> None:
     )
 
 
-def _shown(name: str) -> str:
-    """A name from the client as a reply may repeat it: printable ASCII, at most _SHOWN long."""
+def shown(name: str) -> str:
+    """Text from the client as a reply may repeat it: printable ASCII, at most _SHOWN long."""
     text = "".join(c if " " <= c <= "~" else "?" for c in name)
     return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."

@@ -14,6 +14,7 @@ from typing import Any
 
 from aiosmtpd.smtp import MISSING, AuthResult, Envelope, Session, TLSSetupException
 
+from pigeon_mta.intake import lanes
 from pigeon_mta.intake.addresses import AddressProblem, Mailbox, mailbox_key, parse_mailbox
 from pigeon_mta.intake.refusal import Reason, Refusal
 from pigeon_mta.intake.submission import Door, Submission, Submitter
@@ -198,15 +199,9 @@ def reply_of(refusal: Refusal) -> str:
     if reason is Reason.UNKNOWN_LANE:
         return replies.UNKNOWN_LANE.format(lane=refusal.lanes[0])
     if reason is Reason.LANES_DIFFER:
-        shown = ", ".join(refusal.lanes)
-        return replies.LANES_DIFFER.format(
-            lanes=shown if len(shown) <= _SHOWN else shown[: _SHOWN - 3] + "..."
-        )
+        return replies.LANES_DIFFER.format(lanes=lanes.shown(", ".join(refusal.lanes)))
     return _REPLIES[reason]
 
-
-# Of the lane names a client gave, at most this much is repeated in a reply.
-_SHOWN = 64
 
 _REPLIES = {
     Reason.SENDER_NOT_OWNED: replies.SENDER_NOT_OWNED,

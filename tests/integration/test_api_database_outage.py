@@ -8,15 +8,18 @@ aiohttp client ──HTTP──► ApiService 127.0.0.1:<free port> ──X─�
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import uuid
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import asyncpg
+import pytest
 
 from pigeon_mta.api.problems import TYPE_PREFIX
-from pigeon_mta.config import Settings
+from pigeon_mta.config import Duration, Settings
 from pigeon_mta.store import connect as store_connect
 from tests.integration.api_helpers import running_api
 from tests.peers.pg_relay import CommitCutter
@@ -140,3 +143,35 @@ async def test_a_repeat_after_a_lost_commit_answer_queues_nothing_and_answers_20
     finally:
         await commit_pool.close()
         await cutter.stop()
+
+
+async def test_a_send_that_meets_the_outage_in_the_intake_is_logged_once(
+    pool: asyncpg.Pool, admin_url: str, db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The key and the sender domain remembered (api.auth_cache), the outage is met by the
+    intake's rate check: one log line says so (the intake's, with the submitter), not one from
+    the intake and another from the API's answer."""
+    settings = Settings()
+    settings = dataclasses.replace(
+        settings,
+        api=dataclasses.replace(settings.api, auth_cache=Duration(60)),
+        limits=dataclasses.replace(settings.limits, credential_rate_limit=1000),
+    )
+    message = {"from": "shop@acme.example", "to": "ann@dest.example", "text": "hi"}
+    async with running_api(pool, settings) as api, aiohttp.ClientSession() as session:
+        headers = {"Authorization": f"Bearer {api.key}"}
+        async with session.post(api.url + "/v1/messages", json=message, headers=headers) as ok:
+            assert ok.status == 202, await ok.text()
+        caplog.clear()
+        caplog.set_level(logging.INFO)
+        await set_reachable(admin_url, db_url, False)
+        try:
+            async with session.post(
+                api.url + "/v1/messages", json=message, headers=headers
+            ) as answer:
+                assert answer.status == 503, await answer.text()
+        finally:
+            await set_reachable(admin_url, db_url, True)
+    trouble = [r.getMessage() for r in caplog.records if "database trouble" in r.getMessage()]
+    assert len(trouble) == 1, trouble
+    assert f"apikey:{api.key_id}" in trouble[0]
