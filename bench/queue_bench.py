@@ -223,7 +223,7 @@ async def claim_record(
                     [
                         AttemptResult(
                             r.id,
-                            d.message_id,
+                            d.queue_id,
                             d.org_id,
                             r.attempts,
                             Outcome.DELIVERED,

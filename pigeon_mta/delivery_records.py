@@ -206,7 +206,7 @@ def attempt_records(delivery: Delivery, results: Iterable[AttemptResult]) -> lis
         event_record(
             EVENT_TYPE[result.outcome],
             timestamp=result.started_at + timedelta(seconds=result.duration),
-            queue_id=delivery.message_id,
+            queue_id=delivery.queue_id,
             message_id=delivery.header_message_id,
             org=delivery.org_id,
             sender=delivery.sender,

@@ -232,12 +232,12 @@ def _per_original(
     """Recipients (ordered by message) grouped per original message: one DSN each."""
     per_message: dict[uuid.UUID, list[ReportedRecipient]] = {}
     for r in reported:
-        per_message.setdefault(r.message_id, []).append(r)
+        per_message.setdefault(r.queue_id, []).append(r)
     grouped = []
     for recipients in per_message.values():
         first = recipients[0]
         original = OriginalMessage(
-            queue_id=first.message_id,
+            queue_id=first.queue_id,
             org_id=first.org_id,
             sender=first.sender,
             received_at=first.received_at,

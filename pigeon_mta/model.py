@@ -193,7 +193,7 @@ class ClaimedRow:
     """One claimed recipient as the claim returns it, with its message; `group_deliveries`
     (outbound/claims.py) makes Deliveries of them."""
 
-    message_id: uuid.UUID
+    queue_id: uuid.UUID
     org_id: uuid.UUID
     sender: str
     header_message_id: str | None
@@ -213,7 +213,7 @@ class Delivery:
     """One unit of outbound work: a message's recipients at one destination (a domain, or the
     domains that share a static route), claimed together; `domain` is the one it is routed by."""
 
-    message_id: uuid.UUID
+    queue_id: uuid.UUID
     org_id: uuid.UUID
     sender: str
     domain: str
@@ -243,7 +243,7 @@ class AttemptResult:
     """What happened to one recipient in one attempt; the engine records a batch of these."""
 
     recipient_id: uuid.UUID
-    message_id: uuid.UUID
+    queue_id: uuid.UUID
     org_id: uuid.UUID
     attempt: int
     outcome: Outcome

@@ -124,7 +124,7 @@ class DkimSigner:
         try:
             domain = from_domain(message, self._from_bounds)
         except UnreadableHeader as exc:
-            log.info("queue id %s goes unsigned: %s", delivery.message_id, exc)
+            log.info("queue id %s goes unsigned: %s", delivery.queue_id, exc)
             return _unsigned(message, UNSIGNED_MALFORMED)
         if domain is None:
             return _unsigned(message, UNSIGNED_NO_FROM)
@@ -134,7 +134,7 @@ class DkimSigner:
         try:
             fields = await self._sign_in_turn(message, keys)
         except dkim.SigningError as exc:
-            log.info("queue id %s goes unsigned: %s", delivery.message_id, exc)
+            log.info("queue id %s goes unsigned: %s", delivery.queue_id, exc)
             return _unsigned(message, UNSIGNED_MALFORMED)
         for key in keys:
             DKIM_SIGNATURES.labels(algorithm=key.algorithm).inc()

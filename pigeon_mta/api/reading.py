@@ -95,7 +95,7 @@ class MessageReader:
             ) from None
         by_message: dict[uuid.UUID, list[RecipientRecord]] = {}
         for r in recipients:
-            by_message.setdefault(r.message_id, []).append(r)
+            by_message.setdefault(r.queue_id, []).append(r)
         last = page[-1] if len(found) > limit else None
         return web.json_response(
             {

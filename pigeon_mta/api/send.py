@@ -149,13 +149,13 @@ class SendHandler:
             log.warning("message %s is queued but its recipients were not read: %s", queue_id, exc)
             queued = None
         order = {address: i for i, address in enumerate(recipients)}
-        message_id, rows = queued if queued is not None else (None, [])
+        header_message_id, rows = queued if queued is not None else (None, [])
         ids: dict[str, uuid.UUID | None] = {address: recipient_id for recipient_id, address in rows}
         if ids:
             ids = dict(sorted(ids.items(), key=lambda item: order.get(item[0], len(order))))
         else:
             ids = dict.fromkeys(recipients)
-        return 202, _body(queue_id, message_id, ids)
+        return 202, _body(queue_id, header_message_id, ids)
 
 
 def _accepted(queue_id: uuid.UUID, message: model.Envelope) -> bytes:
@@ -167,12 +167,14 @@ def _accepted(queue_id: uuid.UUID, message: model.Envelope) -> bytes:
     return _body(queue_id, message.header_message_id, ids)
 
 
-def _body(queue_id: uuid.UUID, message_id: str | None, ids: dict[str, uuid.UUID | None]) -> bytes:
+def _body(
+    queue_id: uuid.UUID, header_message_id: str | None, ids: dict[str, uuid.UUID | None]
+) -> bytes:
     """`{queue_id, message_id, recipients: [{address, id}]}`, the recipients in `ids`' order."""
     return json.dumps(
         {
             "queue_id": str(queue_id),
-            "message_id": message_id,
+            "message_id": header_message_id,
             "recipients": [
                 {"address": a, "id": str(i) if i is not None else None} for a, i in ids.items()
             ],

@@ -100,9 +100,9 @@ def apply_fixups(
     fields = [f for _n, f in named]
     names = {n for n, _f in named}
     added: list[bytes] = []
-    message_id = message_id_of([f for n, f in named if n == b"message-id"])
+    header_message_id = message_id_of([f for n, f in named if n == b"message-id"])
     if b"message-id" not in names:
-        message_id = new_message_id
+        header_message_id = new_message_id
         added.append(b"Message-ID: <" + new_message_id.encode("utf-8") + b">" + CRLF)
     if b"date" not in names:
         added.append(b"Date: " + format_datetime(trace.received_at).encode("ascii") + CRLF)
@@ -113,7 +113,7 @@ def apply_fixups(
         top = received_header(trace) + authentication_results(trace)
     out = b"".join((top, *fields, *added, rest))
     originators = [(n.decode("ascii"), field_value(f)) for n, f in named if n in ORIGINATOR_FIELDS]
-    return Fixed(out, message_id, originators, lane_fields, digest)
+    return Fixed(out, header_message_id, originators, lane_fields, digest)
 
 
 def received_header(trace: Trace) -> bytes:

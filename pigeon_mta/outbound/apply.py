@@ -86,7 +86,7 @@ def messages_needing_bounces(
     grouped: dict[uuid.UUID, list[uuid.UUID]] = {}
     for result in results:
         if result.outcome in FAILED_OUTCOMES and result.recipient_id in applied:
-            grouped.setdefault(result.message_id, []).append(result.recipient_id)
+            grouped.setdefault(result.queue_id, []).append(result.recipient_id)
     return grouped
 
 

@@ -36,32 +36,32 @@ def group_deliveries(
     received, each one's recipients in address (code point) order. The engine's `destination`
     makes recipients of one message at domains that share a static route or the relayhost travel
     together; by default each domain is a destination of its own."""
-    bodies = {row.message_id: row.body for row in rows if row.body is not None}
+    bodies = {row.queue_id: row.body for row in rows if row.body is not None}
     # Rows from a site's queue (their token taken by the claim) and rows without one never share
     # a delivery: each pays its own way through the budgets.
     groups: dict[tuple[uuid.UUID, str, str | None], list[ClaimedRow]] = {}
     for row in rows:
-        groups.setdefault((row.message_id, destination(row.domain), row.site), []).append(row)
+        groups.setdefault((row.queue_id, destination(row.domain), row.site), []).append(row)
     deliveries = []
-    for (message_id, _destination, _site), members in groups.items():
+    for (queue_id, _destination, _site), members in groups.items():
         members.sort(key=lambda row: row.recipient.address)
         first = members[0]
         deliveries.append(
             Delivery(
-                message_id=message_id,
+                queue_id=queue_id,
                 org_id=first.org_id,
                 sender=first.sender,
                 domain=first.domain,
                 header_message_id=first.header_message_id,
                 received_at=first.received_at,
-                body=bodies[message_id],
+                body=bodies[queue_id],
                 recipients=tuple(row.recipient for row in members),
                 lane=first.lane,
                 site=first.site,
                 site_delay=max(row.site_delay for row in members),
             )
         )
-    deliveries.sort(key=lambda d: (d.received_at, d.message_id))
+    deliveries.sort(key=lambda d: (d.received_at, d.queue_id))
     return deliveries
 
 

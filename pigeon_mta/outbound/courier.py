@@ -118,10 +118,10 @@ class Courier:
             if isinstance(exc, KeysUnavailable):
                 # The database is away (a restart, a failover): a temporary local failure, and
                 # expected, so no traceback.
-                log.warning("message %s deferred: %s", delivery.message_id, exc)
+                log.warning("message %s deferred: %s", delivery.queue_id, exc)
             else:
                 # A bug must not lose mail: the recipients are deferred and the error logged.
-                log.exception("delivery of message %s failed unexpectedly", delivery.message_id)
+                log.exception("delivery of message %s failed unexpectedly", delivery.queue_id)
             return self._judge(
                 delivery,
                 [RecipientResult(r, "connect", exc) for r in delivery.recipients],
@@ -181,7 +181,7 @@ class Courier:
                 delivery, tx.results, tx_started_at, tx.peer, tx.duration, dkim=signed.dkim
             )
             results, actions = shaping.apply(
-                results, self.rules, policy.key, datetime.now(UTC), self._expiries(delivery)
+                results, self.rules, policy.site, datetime.now(UTC), self._expiries(delivery)
             )
             throttled = throttling_reply(results)
             outcome = transaction_outcome(tx, throttled)

@@ -29,7 +29,7 @@ from pigeon_mta.store.budgets import DEFAULT_SOURCE, site_budget_key
 
 @dataclass(frozen=True)
 class DestinationPolicy:
-    key: str  # everything with the same key shares one concurrency limit and one budget
+    site: str  # everything at the same site shares one concurrency limit and one budget
     tls: TlsPolicy
     concurrency: int  # per process (adaptive), whatever cluster budget applies too
     rate: float  # messages per second for the whole cluster; 0 means unlimited
@@ -45,7 +45,7 @@ class DestinationPolicy:
     def budget_key(self) -> str:
         """The cluster budget of this (source, site): rates, sessions, backoff, parking and
         suspensions are kept under it."""
-        return site_budget_key(self.source, self.key)
+        return site_budget_key(self.source, self.site)
 
 
 def policy_for(delivery: DeliverySettings, domain: str, route: Route) -> DestinationPolicy:
@@ -74,7 +74,7 @@ def policy_for(delivery: DeliverySettings, domain: str, route: Route) -> Destina
     # The relayhost's own TLS setting wins; else the entry's, else delivery.tls.
     tls: TlsPolicy = route.tls if route.tls is not None else (dest.tls or delivery.tls)
     return DestinationPolicy(
-        key=f"pattern:{chosen[0]}" if chosen else route.site,
+        site=f"pattern:{chosen[0]}" if chosen else route.site,
         tls=tls,
         concurrency=dest.concurrency or delivery.destination_concurrency,
         rate=dest.rate,
@@ -183,7 +183,7 @@ class Gates:
         self.clock = clock
 
     def get(self, policy: DestinationPolicy) -> Gate:
-        gate = self._gates.get(policy.key)
+        gate = self._gates.get(policy.site)
         if gate is None or _limits(gate.policy) != _limits(policy):
             if len(self._gates) >= MAX_IDLE_GATES:
                 self._forget_idle()
@@ -193,7 +193,7 @@ class Gates:
                     maximum=policy.concurrency, initial=min(self.initial, policy.concurrency)
                 )
             gate = Gate(policy, aimd)
-            self._gates[policy.key] = gate
+            self._gates[policy.site] = gate
         return gate
 
     def _forget_idle(self) -> None:

@@ -81,7 +81,7 @@ def judge(
         out.append(
             AttemptResult(
                 recipient_id=item.recipient.id,
-                message_id=delivery.message_id,
+                queue_id=delivery.queue_id,
                 org_id=delivery.org_id,
                 attempt=item.recipient.attempts,
                 outcome=outcome,
@@ -149,7 +149,7 @@ def split_suppressed(
             results.append(
                 AttemptResult(
                     recipient_id=r.id,
-                    message_id=delivery.message_id,
+                    queue_id=delivery.queue_id,
                     org_id=delivery.org_id,
                     attempt=r.attempts,
                     outcome=Outcome.SUPPRESSED,
@@ -179,7 +179,7 @@ def interrupted_after_data(
     )
     return AttemptResult(
         recipient_id=recipient.id,
-        message_id=delivery.message_id,
+        queue_id=delivery.queue_id,
         org_id=delivery.org_id,
         attempt=recipient.attempts,
         outcome=Outcome.DEFERRED,

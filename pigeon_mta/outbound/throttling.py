@@ -82,17 +82,17 @@ class ThrottlingReports:
 
     def sending(self, policy: DestinationPolicy) -> None:
         """A transaction to this destination starts."""
-        traffic = self._traffic.get(policy.key)
+        traffic = self._traffic.get(policy.site)
         if traffic is None:
             if len(self._traffic) >= MAX_TRAFFIC_KEYS:
                 self._traffic = {k: t for k, t in self._traffic.items() if t.in_flight}
-            traffic = self._traffic[policy.key] = _Traffic(window_start=time.monotonic())
+            traffic = self._traffic[policy.site] = _Traffic(window_start=time.monotonic())
         traffic.in_flight += 1
         traffic.sent(time.monotonic())
 
     def sent(self, policy: DestinationPolicy) -> None:
         """A transaction to this destination is over."""
-        traffic = self._traffic.get(policy.key)
+        traffic = self._traffic.get(policy.site)
         if traffic is not None:
             traffic.in_flight -= 1
 
@@ -101,7 +101,7 @@ class ThrottlingReports:
         key = policy.budget_key
         configured = policy.rate > 0 or policy.cluster_concurrency > 0
         DESTINATION_THROTTLING.labels(destination=key if configured else "other").inc()
-        traffic = self._traffic.get(policy.key) or _Traffic()
+        traffic = self._traffic.get(policy.site) or _Traffic()
         earlier = self._reports.get(key, (None, 0.0))[0]
         report = Throttling(
             key,

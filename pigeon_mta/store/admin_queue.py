@@ -273,7 +273,7 @@ async def show(db: Executor, ref: uuid.UUID, *, org_id: uuid.UUID | None = None)
 
     Raises LookupError when no message or recipient has the id (in the org, when one is given).
     """
-    message_id = await db.fetchval(
+    queue_id = await db.fetchval(
         """SELECT m.id FROM message m WHERE m.id = $1 AND ($2::uuid IS NULL OR m.org_id = $2)
            UNION ALL
            SELECT r.message_id FROM recipient r
@@ -282,22 +282,22 @@ async def show(db: Executor, ref: uuid.UUID, *, org_id: uuid.UUID | None = None)
         ref,
         org_id,
     )
-    if message_id is None:
+    if queue_id is None:
         raise LookupError(f"no message or recipient has the id {ref}")
     message = await db.fetchrow(
         """SELECT m.id, o.name AS org, m.sender, m.header_message_id, m.size, m.received_at,
                   m.listener, host(m.client_ip) AS client_ip, m.auth_user, m.lane
            FROM message m JOIN org o ON o.id = m.org_id WHERE m.id = $1""",
-        message_id,
+        queue_id,
     )
     assert message is not None
-    one_recipient = message_id != ref
+    one_recipient = queue_id != ref
     rows = await db.fetch(
         f"""SELECT {_ROW_COLUMNS}
             FROM recipient r JOIN message m ON m.id = r.message_id JOIN org o ON o.id = r.org_id
             WHERE r.message_id = $1 AND (NOT $2 OR r.id = $3)
             ORDER BY r.address""",
-        message_id,
+        queue_id,
         one_recipient,
         ref,
     )

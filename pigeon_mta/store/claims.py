@@ -144,7 +144,7 @@ WITH RECURSIVE groups AS (
     RETURNING r.id, r.message_id, r.domain, r.address, r.attempts, r.created_at, r.last_code,
               r.last_enhanced_code, r.last_response, r.lane, r.site
 )
-SELECT m.id AS message_id, m.org_id, m.sender, m.header_message_id, m.received_at, c.domain,
+SELECT m.id AS queue_id, m.org_id, m.sender, m.header_message_id, m.received_at, c.domain,
        c.lane,
        c.id, c.address, c.attempts, c.created_at, c.last_code, c.last_enhanced_code,
        c.last_response,
@@ -221,7 +221,7 @@ async def claim_due_recipients(
             continue
         rows.append(
             ClaimedRow(
-                message_id=row["message_id"],
+                queue_id=row["queue_id"],
                 org_id=row["org_id"],
                 sender=row["sender"],
                 header_message_id=row["header_message_id"],

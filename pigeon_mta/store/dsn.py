@@ -23,7 +23,7 @@ class ReportedRecipient:
     """One recipient a DSN may name, with what it needs about the original message."""
 
     recipient_id: uuid.UUID
-    message_id: uuid.UUID
+    queue_id: uuid.UUID
     address: str
     status: Status
     created_at: datetime
@@ -75,7 +75,7 @@ def _reported(row: asyncpg.Record) -> ReportedRecipient:
         reply = Reply(row["last_code"] or 0, row["last_enhanced_code"], row["last_response"] or "")
     return ReportedRecipient(
         recipient_id=row["id"],
-        message_id=row["message_id"],
+        queue_id=row["message_id"],
         address=row["address"],
         status=Status(row["status"]),
         created_at=row["created_at"],

@@ -81,7 +81,7 @@ _NEW_ENTRIES_MANY = """d AS (
            now() + make_interval(secs => u.window_secs), u.content_key
     FROM unnest(:id::uuid[], :org_id::uuid[], :message_key::uuid[], :window::float8[], :content_key::bytea[])
          AS u (id, org_id, message_key, window_secs, content_key)
-    JOIN unnest(:recipient_message_ids::uuid[], :addresses::text[]) AS v (message_id, address) ON v.message_id = u.id
+    JOIN unnest(:recipient_queue_ids::uuid[], :addresses::text[]) AS v (message_id, address) ON v.message_id = u.id
     WHERE u.message_key IS NOT NULL
     ORDER BY 1, 2, 3
 ), """
@@ -194,7 +194,7 @@ WITH u AS (
     SELECT * FROM unnest(:id::uuid[], :org_id::uuid[], :message_key::uuid[], :window::float8[], :content_key::bytea[])
         AS u (id, org_id, message_key, window_secs, content_key)
 ), v AS (
-    SELECT * FROM unnest(:recipient_ids::uuid[], :recipient_message_ids::uuid[], :addresses::text[], :domains::text[])
+    SELECT * FROM unnest(:recipient_ids::uuid[], :recipient_queue_ids::uuid[], :addresses::text[], :domains::text[])
         AS v (id, message_id, address, domain)
 ), reused AS (
     SELECT DISTINCT ON (u.id) u.id, s.queue_id FROM u JOIN v ON v.message_id = u.id
@@ -374,10 +374,10 @@ ORDER BY received_at, address COLLATE "C"  -- code point order, as Python sorts
 """
 
 
-async def duplicates_of(db: Executor, message_ids: Sequence[uuid.UUID]) -> list[DuplicateRecord]:
+async def duplicates_of(db: Executor, queue_ids: Sequence[uuid.UUID]) -> list[DuplicateRecord]:
     """The duplicate receptions of these messages (by the message that holds each recipient),
     oldest first."""
-    return [DuplicateRecord(**dict(r)) for r in await db.fetch(_OF_MESSAGES, list(message_ids))]
+    return [DuplicateRecord(**dict(r)) for r in await db.fetch(_OF_MESSAGES, list(queue_ids))]
 
 
 # ---------------------------------------------------------------- pruning

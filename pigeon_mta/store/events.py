@@ -45,7 +45,7 @@ class MessageRecord:
 @dataclass(frozen=True)
 class RecipientRecord:
     id: uuid.UUID
-    message_id: uuid.UUID
+    queue_id: uuid.UUID
     address: str
     status: str
     attempts: int
@@ -62,7 +62,7 @@ class RecipientRecord:
 class AttemptRecord:
     id: uuid.UUID
     recipient_id: uuid.UUID
-    message_id: uuid.UUID
+    queue_id: uuid.UUID
     attempt: int
     started_at: datetime
     duration: float  # seconds
@@ -201,7 +201,7 @@ ORDER BY started_at, attempt, recorded_at, id
 def _recipient(row: asyncpg.Record) -> RecipientRecord:
     return RecipientRecord(
         id=row["id"],
-        message_id=row["message_id"],
+        queue_id=row["message_id"],
         address=row["address"],
         status=row["status"],
         attempts=row["attempts"],
@@ -218,7 +218,7 @@ def _attempt(row: asyncpg.Record) -> AttemptRecord:
     return AttemptRecord(
         id=row["id"],
         recipient_id=row["recipient_id"],
-        message_id=row["message_id"],
+        queue_id=row["message_id"],
         attempt=row["attempt"],
         started_at=row["started_at"],
         duration=float(row["duration_ms"]) / 1000.0,
@@ -239,9 +239,9 @@ def _attempt(row: asyncpg.Record) -> AttemptRecord:
     )
 
 
-async def recipients_of(db: Executor, message_ids: Sequence[uuid.UUID]) -> list[RecipientRecord]:
+async def recipients_of(db: Executor, queue_ids: Sequence[uuid.UUID]) -> list[RecipientRecord]:
     """The recipients of these messages, by message and address."""
-    return [_recipient(r) for r in await db.fetch(_RECIPIENTS, list(message_ids))]
+    return [_recipient(r) for r in await db.fetch(_RECIPIENTS, list(queue_ids))]
 
 
 async def stories_of(
@@ -264,8 +264,8 @@ async def stories_of(
     return [
         MessageStory(
             message=m,
-            recipients=tuple(r for r in recipients if r.message_id == m.id),
-            attempts=tuple(a for a in attempts if a.message_id == m.id and a.recipient_id in kept),
+            recipients=tuple(r for r in recipients if r.queue_id == m.id),
+            attempts=tuple(a for a in attempts if a.queue_id == m.id and a.recipient_id in kept),
             dsns=dsns,
             suppressed=suppressed,
             duplicates=tuple(d for d in duplicates if d.original_id == m.id),
@@ -342,15 +342,15 @@ ORDER BY started_at, id
 async def expiry_stories(db: Executor, recipient_ids: Sequence[uuid.UUID]) -> list[MessageStory]:
     """The expiry events of recipients the sweeper just expired, with their messages."""
     attempts = [_attempt(a) for a in await db.fetch(_EXPIRED, list(recipient_ids))]
-    message_ids = list(dict.fromkeys(a.message_id for a in attempts))
-    messages = [_message(r) for r in await db.fetch(_BY_QUEUE_IDS, message_ids)]
-    recipients = [_recipient(r) for r in await db.fetch(_RECIPIENTS, message_ids)]
+    queue_ids = list(dict.fromkeys(a.queue_id for a in attempts))
+    messages = [_message(r) for r in await db.fetch(_BY_QUEUE_IDS, queue_ids)]
+    recipients = [_recipient(r) for r in await db.fetch(_RECIPIENTS, queue_ids)]
     wanted = set(recipient_ids)
     return [
         MessageStory(
             message=m,
-            recipients=tuple(r for r in recipients if r.message_id == m.id and r.id in wanted),
-            attempts=tuple(a for a in attempts if a.message_id == m.id),
+            recipients=tuple(r for r in recipients if r.queue_id == m.id and r.id in wanted),
+            attempts=tuple(a for a in attempts if a.queue_id == m.id),
         )
         for m in messages
     ]

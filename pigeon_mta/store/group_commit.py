@@ -161,7 +161,7 @@ class GroupCommit:
                 self._engine.adopt(
                     [
                         ClaimedRow(
-                            message_id=queue_id,
+                            queue_id=queue_id,
                             org_id=e.org_id,
                             sender=e.sender,
                             header_message_id=e.header_message_id,

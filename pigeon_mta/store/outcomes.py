@@ -167,7 +167,7 @@ def _record_arguments(results: Sequence[AttemptResult], offer: Offer = NO_OFFER)
     return [
         new_ids(len(results)),
         [r.recipient_id for r in results],
-        [r.message_id for r in results],
+        [r.queue_id for r in results],
         [r.org_id for r in results],
         [r.attempt for r in results],
         [str(r.outcome) for r in results],

@@ -43,10 +43,10 @@ ONE_PARAMETERS = (
     "received_at", "tls_version", "tls_cipher", "lane", "lease_owner", "lease",
 )  # fmt: skip
 # Of a batch: one array per parameter, one element per message, but recipient_ids,
-# recipient_message_ids, addresses, domains, lease_owner and lease: one element per recipient.
+# recipient_queue_ids, addresses, domains, lease_owner and lease: one element per recipient.
 MANY_PARAMETERS = (
     "id", "org_id", "sender", "header_message_id", "size", "body", "listener", "client_ip",
-    "client_helo", "credential_id", "auth_user", "recipient_ids", "recipient_message_ids",
+    "client_helo", "credential_id", "auth_user", "recipient_ids", "recipient_queue_ids",
     "addresses", "domains", "received_at", "tls_version", "tls_cipher", "lane", "lease_owner",
     "lease",
 )  # fmt: skip
@@ -115,7 +115,7 @@ WITH {before}m AS (
            CASE WHEN u.lease_owner IS NULL THEN 'queued' ELSE 'delivering' END,
            CASE WHEN u.lease_owner IS NULL THEN 0 ELSE 1 END,
            u.lease_owner, now() + make_interval(secs => u.lease)
-    FROM unnest(:recipient_ids::uuid[], :recipient_message_ids::uuid[], :addresses::text[], :domains::text[], :lease_owner::text[], :lease::float8[])
+    FROM unnest(:recipient_ids::uuid[], :recipient_queue_ids::uuid[], :addresses::text[], :domains::text[], :lease_owner::text[], :lease::float8[])
          AS u (id, message_id, address, domain, lease_owner, lease)
     JOIN m ON m.id = u.message_id
     RETURNING t.id, t.org_id, t.address, t.lease_owner
@@ -257,7 +257,7 @@ def many_values(batch: Sequence[tuple[uuid.UUID, Envelope]]) -> dict[str, object
         "credential_id": [e.credential_id for _q, e in batch],
         "auth_user": [e.auth_user for _q, e in batch],
         "recipient_ids": [i for _q, e in batch for i in recipient_ids(e)],
-        "recipient_message_ids": [q for q, _r in recipients],
+        "recipient_queue_ids": [q for q, _r in recipients],
         "addresses": [r for _q, r in recipients],
         "domains": [recipient_domain(r) for _q, r in recipients],
         "received_at": [e.received_at for _q, e in batch],

@@ -75,7 +75,7 @@ RETURNING recipient_id, message_id
 @dataclass(frozen=True)
 class ExpiredRecipient:
     recipient_id: uuid.UUID
-    message_id: uuid.UUID
+    queue_id: uuid.UUID
 
 
 @dataclass(frozen=True)

@@ -68,10 +68,10 @@ def header_message_id(message_id: str) -> str:
 
 
 # The kind of a recorded outcome's message (model.message_kind), read as header_message_id is.
-def message_kind(message_id: str) -> str:
+def message_kind(queue_id: str) -> str:
     return (
         f"(SELECT CASE WHEN listener = '{DSN_LISTENER}' THEN 'dsn' ELSE 'message' END"
-        f" FROM message WHERE id = {message_id})"
+        f" FROM message WHERE id = {queue_id})"
     )
 
 

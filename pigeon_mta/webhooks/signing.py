@@ -29,19 +29,19 @@ def secret_key(secret: str) -> bytes:
     return base64.b64decode(secret.removeprefix(SECRET_PREFIX))
 
 
-def signature(key: bytes, message_id: str, timestamp: int, body: bytes) -> str:
+def signature(key: bytes, webhook_id: str, timestamp: int, body: bytes) -> str:
     """The `webhook-signature` value of one request."""
-    signed = f"{message_id}.{timestamp}.".encode() + body
+    signed = f"{webhook_id}.{timestamp}.".encode() + body
     return "v1," + base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode("ascii")
 
 
 def signed_headers(
-    secret: str, message_id: str, body: bytes, now: float | None = None
+    secret: str, webhook_id: str, body: bytes, now: float | None = None
 ) -> dict[str, str]:
     """The headers of one request: id, timestamp (Unix seconds) and signature."""
     timestamp = int(time.time() if now is None else now)
     return {
-        "webhook-id": message_id,
+        "webhook-id": webhook_id,
         "webhook-timestamp": str(timestamp),
-        "webhook-signature": signature(secret_key(secret), message_id, timestamp, body),
+        "webhook-signature": signature(secret_key(secret), webhook_id, timestamp, body),
     }

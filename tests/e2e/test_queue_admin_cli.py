@@ -274,7 +274,7 @@ async def test_cancel_and_retry_take_a_recipient_whose_lease_ran_out(
     rid = await pool.fetchval("SELECT id FROM recipient WHERE message_id = $1", stuck)
     late = AttemptResult(
         recipient_id=rid,
-        message_id=stuck,
+        queue_id=stuck,
         org_id=org_id,
         attempt=1,
         outcome=Outcome.DELIVERED,

@@ -58,7 +58,7 @@ async def add_key(
 
 def delivery(org_id: uuid.UUID, body: bytes, recipient: str = "bob@example.net") -> Delivery:
     return Delivery(
-        message_id=new_id(),
+        queue_id=new_id(),
         org_id=org_id,
         sender="alice@example.com",
         domain=recipient.rpartition("@")[2],

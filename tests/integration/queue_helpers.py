@@ -77,7 +77,7 @@ def results_for(
     return [
         AttemptResult(
             recipient_id=r.id,
-            message_id=d.message_id,
+            queue_id=d.queue_id,
             org_id=d.org_id,
             attempt=r.attempts,
             outcome=outcome,

@@ -55,7 +55,7 @@ def result(
     category, rule = classify_reply(reply)
     return AttemptResult(
         recipient_id=r.id,
-        message_id=delivery.message_id,
+        queue_id=delivery.queue_id,
         org_id=delivery.org_id,
         attempt=r.attempts if attempt is None else attempt,
         outcome=outcome,

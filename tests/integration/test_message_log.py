@@ -56,7 +56,7 @@ async def attempt_once(
     results = [
         AttemptResult(
             recipient_id=r.id,
-            message_id=d.message_id,
+            queue_id=d.queue_id,
             org_id=d.org_id,
             attempt=r.attempts,
             outcome=outcome,
@@ -238,7 +238,7 @@ async def test_a_bounce_names_its_dsn_and_the_suppression_entry_it_made(
 
     first = await enqueue(pool, story_envelope(org_id, ("bob@example.net",), "b1@example.com"))
     second = await enqueue(pool, story_envelope(org_id, ("carol@example.org",), "b2@example.com"))
-    deliveries = {d.message_id: d for d in await claim_all(pool)}
+    deliveries = {d.queue_id: d for d in await claim_all(pool)}
     recorded = await apply_outcomes(
         pool,
         [

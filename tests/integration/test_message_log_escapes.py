@@ -39,7 +39,7 @@ async def test_hostile_helo_and_reply_text_are_escaped(
         [
             AttemptResult(
                 recipient_id=recipient.id,
-                message_id=delivery.message_id,
+                queue_id=delivery.queue_id,
                 org_id=delivery.org_id,
                 attempt=recipient.attempts,
                 outcome=Outcome.BOUNCED,

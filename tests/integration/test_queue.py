@@ -181,7 +181,7 @@ async def test_claim_groups_by_message_and_domain(pool: asyncpg.Pool, org_id: uu
         "a@one.example",
         "c@ONE.example",
     ]
-    assert all(d.message_id == qid and d.body.startswith(b"Subject: hi") for d in deliveries)
+    assert all(d.queue_id == qid and d.body.startswith(b"Subject: hi") for d in deliveries)
     assert all(r.attempts == 1 for d in deliveries for r in d.recipients)
     rows = await pool.fetch(
         "SELECT status, lease_owner, lease_until > now() AS leased FROM recipient"
@@ -201,8 +201,8 @@ async def test_claim_hands_out_messages_in_the_order_they_were_received(
         for i in range(5)
     ]
     deliveries = await claim(pool, owner=OWNER, lease=60, batch=100)
-    assert [d.message_id for d in deliveries if d.domain == "one.example"] == ids
-    assert [d.message_id for d in deliveries if d.domain == "two.example"] == ids
+    assert [d.queue_id for d in deliveries if d.domain == "one.example"] == ids
+    assert [d.queue_id for d in deliveries if d.domain == "two.example"] == ids
     # Each delivery carries its message's body, though the claim sent each body once.
     assert all(d.body.startswith(b"Subject: hi") for d in deliveries)
 
@@ -299,11 +299,11 @@ async def test_record_outcomes_in_one_batch(pool: asyncpg.Pool, org_id: uuid.UUI
             "SELECT message_id, status, last_code, lease_owner, next_attempt_at - now() AS wait FROM recipient"
         )
     }
-    assert rows[delivered.message_id]["status"] == "delivered"
-    assert rows[bounced.message_id]["status"] == "bounced"
-    assert rows[bounced.message_id]["last_code"] == 550
-    assert rows[deferred.message_id]["status"] == "queued"
-    assert timedelta(seconds=590) < rows[deferred.message_id]["wait"] <= timedelta(seconds=600)
+    assert rows[delivered.queue_id]["status"] == "delivered"
+    assert rows[bounced.queue_id]["status"] == "bounced"
+    assert rows[bounced.queue_id]["last_code"] == 550
+    assert rows[deferred.queue_id]["status"] == "queued"
+    assert timedelta(seconds=590) < rows[deferred.queue_id]["wait"] <= timedelta(seconds=600)
     assert all(r["lease_owner"] is None for r in rows.values())
     attempts = await pool.fetch("SELECT outcome, code, mx_host, applied FROM attempt ORDER BY code")
     assert [(a["outcome"], a["code"]) for a in attempts] == [
@@ -440,10 +440,10 @@ def _plan_nodes(node: object):  # type: ignore[no-untyped-def]
                 yield from _plan_nodes(value)
 
 
-def _result(recipient_id: uuid.UUID, message_id: uuid.UUID, org_id: uuid.UUID) -> AttemptResult:
+def _result(recipient_id: uuid.UUID, queue_id: uuid.UUID, org_id: uuid.UUID) -> AttemptResult:
     return AttemptResult(
         recipient_id=recipient_id,
-        message_id=message_id,
+        queue_id=queue_id,
         org_id=org_id,
         attempt=1,
         outcome=Outcome.DEFERRED,
@@ -465,8 +465,8 @@ async def test_retention_purges_only_old_finished_messages(
     old_done = await queue.enqueue(pool, envelope(org_id, "a@example.net"))
     old_waiting = await queue.enqueue(pool, envelope(org_id, "b@example.net", "c@example.net"))
     deliveries = await claim(pool, owner=OWNER, lease=60, batch=10)
-    done = [d for d in deliveries if d.message_id == old_done]
-    waiting = [d for d in deliveries if d.message_id == old_waiting]
+    done = [d for d in deliveries if d.queue_id == old_done]
+    waiting = [d for d in deliveries if d.queue_id == old_waiting]
     await record_attempts(pool, results_for(done, Outcome.DELIVERED))
     # One of old_waiting's recipients is final, the other still deferred: the message stays.
     first, second = results_for(waiting, Outcome.DEFERRED, code=451)

@@ -43,7 +43,7 @@ def envelope() -> Envelope:
 
 def delivery() -> Delivery:
     return Delivery(
-        message_id=QUEUE_ID,
+        queue_id=QUEUE_ID,
         org_id=ORG,
         sender="alice@example.com",
         domain="example.net",
@@ -64,7 +64,7 @@ def delivery() -> Delivery:
 def result(outcome: Outcome, reply: Reply, **kw: object) -> AttemptResult:
     return AttemptResult(
         recipient_id=uuid.UUID(int=1),
-        message_id=QUEUE_ID,
+        queue_id=QUEUE_ID,
         org_id=ORG,
         attempt=2,
         outcome=outcome,

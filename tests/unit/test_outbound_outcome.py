@@ -69,7 +69,7 @@ def judged_result(
         last_reply=last_reply,
     )
     delivery = Delivery(
-        message_id=uuid.uuid4(),
+        queue_id=uuid.uuid4(),
         org_id=uuid.uuid4(),
         sender="alice@example.com",
         domain="example.net",

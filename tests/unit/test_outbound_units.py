@@ -31,7 +31,7 @@ def route(domain: str, *hosts: str) -> Route:
 def test_policy_defaults_key_on_the_site() -> None:
     delivery = DeliverySettings()
     policy = policy_for(delivery, "example.com", route("example.com", "mx.example.com"))
-    assert policy.key == "site:mx.example.com"
+    assert policy.site == "site:mx.example.com"
     assert (policy.tls, policy.concurrency, policy.rate) == ("opportunistic", 100, 0)
     assert policy.max_messages_per_connection == 100
 
@@ -46,12 +46,12 @@ def test_policy_exact_domain_beats_patterns_and_mx_patterns_group_domains() -> N
     )
     google_mx = ("gmail-smtp-in.l.google.com", "alt1.gmail-smtp-in.l.google.com")
     gmail = policy_for(delivery, "gmail.com", route("gmail.com", *google_mx))
-    assert (gmail.key, gmail.concurrency) == ("pattern:gmail.com", 5)
+    assert (gmail.site, gmail.concurrency) == ("pattern:gmail.com", 5)
     # A domain pattern is tried before MX patterns.
     hosted = policy_for(delivery, "corp.com", route("corp.com", *google_mx))
-    assert hosted.key == "pattern:*.com"
+    assert hosted.site == "pattern:*.com"
     other = policy_for(delivery, "corp.org", route("corp.org", *google_mx))
-    assert (other.key, other.concurrency, other.rate, other.burst, other.tls) == (
+    assert (other.site, other.concurrency, other.rate, other.burst, other.tls) == (
         "pattern:*.google.com",
         10,
         50,
@@ -92,25 +92,25 @@ def test_domains_whose_mx_records_name_the_same_hosts_share_one_site() -> None:
         delivery, "corp.example", route("corp.example", *reversed([h.upper() for h in google]))
     )
     assert (
-        one.key
-        == two.key
+        one.site
+        == two.site
         == ("site:alt1.aspmx.l.google.com,alt2.aspmx.l.google.com,aspmx.l.google.com")
     )
     # Another set of hosts is another site, and a static route or the relayhost is its own.
-    assert policy_for(delivery, "x.example", route("x.example", google[0])).key != one.key
+    assert policy_for(delivery, "x.example", route("x.example", google[0])).site != one.site
     relay = Route("relayhost", "relayhost", (Hop("relay.example", 587),))
-    assert policy_for(delivery, "x.example", relay).key == "relayhost"
+    assert policy_for(delivery, "x.example", relay).site == "relayhost"
     static = Route("route:[127.0.0.2]:2525", "route", (Hop("127.0.0.2", 2525),))
-    assert policy_for(delivery, "x.example", static).key == "route:[127.0.0.2]:2525"
+    assert policy_for(delivery, "x.example", static).site == "route:[127.0.0.2]:2525"
 
 
 def test_a_site_of_five_long_host_names_has_a_bounded_key() -> None:
     hosts = [f"{'m' * 60}.{i}.{'x' * 60}.example" for i in range(5)]
-    key = policy_for(DeliverySettings(), "x.example", route("x.example", *hosts)).key
+    key = policy_for(DeliverySettings(), "x.example", route("x.example", *hosts)).site
     assert len(key) <= 5 + 200
-    shuffled = policy_for(DeliverySettings(), "y.example", route("y.example", *hosts[::-1])).key
+    shuffled = policy_for(DeliverySettings(), "y.example", route("y.example", *hosts[::-1])).site
     assert key == shuffled
-    other = policy_for(DeliverySettings(), "z.example", route("z.example", *hosts[:4])).key
+    other = policy_for(DeliverySettings(), "z.example", route("z.example", *hosts[:4])).site
     assert other != key
 
 

@@ -28,7 +28,7 @@ def settings(tmp_path: Path, text: str) -> ShapingSettings:
 def result(reply: Reply, outcome: Outcome, *, org: uuid.UUID = ORG_A, host: str = "mx.test"):
     return AttemptResult(
         recipient_id=uuid.uuid4(),
-        message_id=uuid.uuid4(),
+        queue_id=uuid.uuid4(),
         org_id=org,
         attempt=1,
         outcome=outcome,
