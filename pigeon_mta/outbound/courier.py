@@ -28,7 +28,7 @@ from pigeon_mta.outbound.attempt import (
     wire_message,
 )
 from pigeon_mta.outbound.budgets import Budgets
-from pigeon_mta.outbound.classify import Category, stated_retry_delay
+from pigeon_mta.outbound.classify import is_connection_failure, stated_retry_delay, throttling_reply
 from pigeon_mta.outbound.connect import ConnectionKey, ConnectOptions
 from pigeon_mta.outbound.grants import Pass, Wait
 from pigeon_mta.outbound.limits import (
@@ -39,7 +39,7 @@ from pigeon_mta.outbound.limits import (
     policy_for,
 )
 from pigeon_mta.outbound.mx import Route, RouteFailure, Router
-from pigeon_mta.outbound.outcome import RATE_LIMIT_IS_TEMPORARY, judge
+from pigeon_mta.outbound.outcome import judge
 from pigeon_mta.outbound.pool import ConnectionPool, NotConnected
 from pigeon_mta.signer import KeysUnavailable
 from pigeon_mta.store.budgets import DESTINATION
@@ -300,23 +300,11 @@ class Courier:
         return judged
 
 
-def throttling_reply(results: Sequence[AttemptResult]) -> Reply | None:
-    """The first rate-limited reply among a transaction's results that defers (a 4xx, or a 5xx
-    about our rate, outcome.rate_limits_are_temporary): the destination's server asking for
-    less."""
-    for result in results:
-        if result.category != Category.RATE_LIMITED or result.outcome == Outcome.BOUNCED:
-            continue  # a bounce (a reply rule's) asks nothing of the destination's rate
-        if 400 <= result.reply.code < 500 or RATE_LIMIT_IS_TEMPORARY in (result.rule or ""):
-            return result.reply
-    return None
-
-
 def transaction_outcome(tx: TransactionResult, throttled: Reply | None) -> TransactionOutcome:
     """What a transaction says about its destination's capacity: a throttling reply, or a
     connection that failed or broke without a reply, or neither."""
     if throttled is not None:
         return "throttled"
-    if any(isinstance(r.result, BaseException) for r in tx.results):
+    if any(is_connection_failure(r.result) for r in tx.results):
         return "connection-error"
     return "healthy"

@@ -23,11 +23,12 @@ from pigeon_mta.model import (
     Reply,
 )
 from pigeon_mta.outbound.attempt import Peer, RecipientResult
+from pigeon_mta.outbound.categories import Category
 from pigeon_mta.outbound.classify import (
-    Category,
     Verdict,
     classify,
     classify_reply,
+    rate_limits_are_temporary,
     stated_retry_delay,
 )
 from pigeon_mta.plain import plain_text
@@ -100,27 +101,6 @@ def judge(
             )
         )
     return out
-
-
-# The rule that a permanent reply about our rate was deferred by (courier.throttling_reply reads it).
-RATE_LIMIT_IS_TEMPORARY = "rate-limit-is-temporary"
-
-
-def rate_limits_are_temporary(verdict: Verdict) -> Verdict:
-    """A permanent reply from a server that says it is limiting our rate ("550 5.7.1 sending
-    rate exceeded", a 5xx with Gmail's 4.7.28 words) defers: too much, too fast is the sender's
-    state at that moment, never the recipient's, and bouncing it would lose mail that the same
-    server takes later. The throttling it reports lowers the destination's budget as a 4xx does
-    (courier.throttling_reply). An enhanced code about the mailbox or the address (5.1.x, 5.2.x:
-    "5.2.2 mailbox full, too many messages") says what the words do not: that stays a bounce."""
-    if verdict.outcome != Outcome.BOUNCED or verdict.reply.code < 500:
-        return verdict
-    enhanced = verdict.reply.enhanced_code
-    if enhanced is not None and enhanced[2:3] not in ("3", "4", "7"):
-        return verdict
-    if classify_reply(verdict.reply).category != Category.RATE_LIMITED:
-        return verdict
-    return Verdict(Outcome.DEFERRED, verdict.reply, f"{verdict.rule}; {RATE_LIMIT_IS_TEMPORARY}")
 
 
 def _after_stated_delay(next_at: datetime, reply: Reply, now: datetime) -> datetime:

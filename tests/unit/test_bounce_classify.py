@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pigeon_mta.model import Reply
-from pigeon_mta.outbound.classify import (
-    RULES,
-    SUPPRESSING_CATEGORIES,
-    Category,
-    classify_reply,
-    stated_retry_delay,
-    suppresses,
-)
+from pigeon_mta.outbound.categories import RULES, SUPPRESSING_CATEGORIES, Category
+from pigeon_mta.outbound.classify import classify_reply, stated_retry_delay, suppresses
 
 C = Category
 

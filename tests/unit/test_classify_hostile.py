@@ -14,10 +14,9 @@ import pytest
 
 from pigeon_mta.model import Reply
 from pigeon_mta.outbound import classify
+from pigeon_mta.outbound.categories import RULES, Category
 from pigeon_mta.outbound.classify import (
     CLASSIFY_PREFIX,
-    RULES,
-    Category,
     classify_reply,
     parse_reply,
     split_enhanced_code,

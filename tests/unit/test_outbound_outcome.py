@@ -189,7 +189,7 @@ def test_a_mailbox_code_keeps_a_rate_worded_reply_a_bounce() -> None:
 
 
 def test_a_deferred_5xx_rate_limit_is_a_throttling_reply_for_the_budget() -> None:
-    from pigeon_mta.outbound.courier import throttling_reply
+    from pigeon_mta.outbound.classify import throttling_reply
 
     def results(reply: Reply) -> list[AttemptResult]:
         return [judged_result(reply, "rcpt")]
