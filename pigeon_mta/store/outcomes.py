@@ -20,10 +20,12 @@ from pigeon_mta.store.webhooks import (
     NO_OFFER,
     ClaimedEvent,
     Offer,
+    OfferParameters,
     claimed_event,
     event_payload,
     header_message_id,
     message_kind,
+    outbox_insert,
 )
 
 _WEBHOOK_PAYLOAD = event_payload(
@@ -38,6 +40,15 @@ _WEBHOOK_PAYLOAD = event_payload(
     response="v.response",
     category="v.category",
     attempt="v.attempt",
+)
+
+_OUTBOX = outbox_insert(
+    rows="v JOIN u ON u.id = v.recipient_id AND u.attempts = v.attempt",
+    type_="v.outcome",
+    org_id="v.org_id",
+    payload=_WEBHOOK_PAYLOAD,
+    where="EXISTS (SELECT FROM webhook WHERE org_id = ANY ($4::uuid[]))",
+    offer=OfferParameters(webhooks="$22", rooms="$23", other="$24", lease="$25"),
 )
 
 # One statement: the recipient rows move (only where the claim still holds, see module doc), the
@@ -78,23 +89,12 @@ WITH v AS (
     WHERE r.id = v.recipient_id AND r.status = $21 AND r.attempts = v.attempt
     RETURNING r.id, r.attempts, r.address
 ), w AS (
-    -- The events within the room the caller's webhook sender offers ($22-$25, store/webhooks.py
-    -- `Offer`) are written claimed by it and returned; the others wait for a sender's claim.
-    INSERT INTO webhook_event (id, webhook_id, type, payload, attempts, next_attempt_at)
-    SELECT pigeon_uuid7(), n.webhook_id, n.outcome, n.payload, (n.rank <= n.room)::int,
-           now() + CASE WHEN n.rank <= n.room THEN make_interval(secs => $25) ELSE '0s' END
-    FROM (
-        SELECT h.id AS webhook_id, v.outcome, {_WEBHOOK_PAYLOAD} AS payload,
-               row_number() OVER (PARTITION BY h.id) AS rank, COALESCE(o.room, $24) AS room
-        -- Applied outcomes only, one event per webhook of the org that takes the outcome's
-        -- type. When no org of the batch has a webhook, the EXISTS (one probe of webhook_org
-        -- per distinct org) is false and the join is never run: nothing is read or written.
-        FROM v JOIN u ON u.id = v.recipient_id AND u.attempts = v.attempt
-        JOIN webhook h ON h.org_id = v.org_id AND v.outcome = ANY (h.events)
-        LEFT JOIN unnest($22::uuid[], $23::int[]) AS o (id, room) ON o.id = h.id
-        WHERE EXISTS (SELECT FROM webhook WHERE org_id = ANY ($4::uuid[]))
-    ) n
-    RETURNING id, webhook_id, payload, attempts, created_at
+    -- The events within the room the caller's webhook sender offers (store/webhooks.py `Offer`)
+    -- are written claimed by it and returned; the others wait for a sender's claim. Applied
+    -- outcomes only. When no org of the batch has a webhook, the EXISTS (one probe of
+    -- webhook_org per distinct org) is false and the join is never run: nothing is read or
+    -- written.
+    {_OUTBOX}
 ), a AS (
     INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, duration_ms,
                          mx_host, ip, port, tls_version, tls_cipher, code, enhanced_code, response,

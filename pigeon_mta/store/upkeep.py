@@ -11,7 +11,7 @@ from pigeon_mta.ids import id_floor
 from pigeon_mta.model import EXPIRED_CATEGORY
 from pigeon_mta.store.executor import Executor
 from pigeon_mta.store.webhooks import backlog as webhook_backlog
-from pigeon_mta.store.webhooks import event_payload, header_message_id, message_kind
+from pigeon_mta.store.webhooks import event_payload, header_message_id, message_kind, outbox_insert
 
 # ---------------------------------------------------------------- expiry
 
@@ -33,6 +33,8 @@ _WEBHOOK_PAYLOAD = event_payload(
     category=f"'{EXPIRED_CATEGORY}'",
     attempt="e.attempts",
 )
+
+_OUTBOX = outbox_insert(rows="e", type_="'expired'", org_id="e.org_id", payload=_WEBHOOK_PAYLOAD)
 
 # Reads only live rows older than the shortest max_age (a range of recipient_live, by created_at),
 # and of those only due ones: mail that is not due waits for its next attempt, where the engine's
@@ -59,9 +61,7 @@ WITH lane_age AS (
               r.last_response, old.max_age_text, r.address
 ), w AS (
     -- The `expired` webhook events, committed with the expiry (store/webhooks.py).
-    INSERT INTO webhook_event (id, webhook_id, type, payload)
-    SELECT pigeon_uuid7(), h.id, 'expired', {_WEBHOOK_PAYLOAD}
-    FROM e JOIN webhook h ON h.org_id = e.org_id AND 'expired' = ANY (h.events)
+    {_OUTBOX}
 )
 INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, outcome,
                      code, enhanced_code, response, category)

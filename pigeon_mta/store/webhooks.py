@@ -2,7 +2,8 @@
 and the sender's claims of those events.
 
 Event rows are written by the statements that record outcomes (store/outcomes.py, store/upkeep.py),
-with `event_payload` as their body; this module owns everything else about them. A claim takes due
+each through `outbox_insert` with `event_payload` as the body; this module owns everything else
+about them. A claim takes due
 events FOR UPDATE SKIP LOCKED and moves each one lease ahead: an event whose sender died is due
 again when the lease has passed, so every event is sent at least once. The claim increments
 `attempts`, which fences the outcome as recipient.attempts does (store/leases.py). The record of
@@ -65,6 +66,57 @@ def event_payload(
 # (a subquery in the select list runs once per row that reaches it).
 def header_message_id(message_id: str) -> str:
     return f"(SELECT header_message_id FROM message WHERE id = {message_id})"
+
+
+@dataclass(frozen=True)
+class OfferParameters:
+    """Where a statement that writes events holds its caller's `Offer`: the SQL placeholders of
+    its webhook ids (uuid[]) and their rooms (int[]), the room of every other webhook, and the
+    lease of the events it writes claimed."""
+
+    webhooks: str
+    rooms: str
+    other: str
+    lease: str
+
+
+def outbox_insert(
+    *,
+    rows: str,
+    type_: str,
+    org_id: str,
+    payload: str,
+    where: str | None = None,
+    offer: OfferParameters | None = None,
+) -> str:
+    """The statement (a CTE's body) that writes to the outbox one event for each of `rows` (a FROM
+    item, joins allowed) and each webhook of `org_id`'s org that takes the event's `type_`, with
+    `payload` (event_payload) as its body: the one place events are written.
+
+    Without `offer` every event waits for a sender's claim. With it, the first events of each
+    webhook, up to its room, are written claimed by the offering sender (attempts 1, due again
+    after the lease); the statement returns every event it wrote (those with attempts 0 wait)."""
+    webhooks = f"JOIN webhook h ON h.org_id = {org_id} AND {type_} = ANY (h.events)"
+    condition = f"\n    WHERE {where}" if where else ""
+    if offer is None:
+        return f"""INSERT INTO webhook_event (id, webhook_id, type, payload)
+    SELECT pigeon_uuid7(), h.id, {type_}, {payload}
+    FROM {rows}
+    {webhooks}{condition}"""
+    return f"""INSERT INTO webhook_event (id, webhook_id, type, payload, attempts, next_attempt_at)
+    SELECT pigeon_uuid7(), n.webhook_id, n.type, n.payload, (n.rank <= n.room)::int,
+           now() + CASE WHEN n.rank <= n.room THEN make_interval(secs => {offer.lease})
+                        ELSE '0s' END
+    FROM (
+        SELECT h.id AS webhook_id, {type_} AS type, {payload} AS payload,
+               row_number() OVER (PARTITION BY h.id) AS rank,
+               COALESCE(o.room, {offer.other}) AS room
+        FROM {rows}
+        {webhooks}
+        LEFT JOIN unnest({offer.webhooks}::uuid[], {offer.rooms}::int[]) AS o (id, room)
+               ON o.id = h.id{condition}
+    ) n
+    RETURNING id, webhook_id, payload, attempts, created_at"""
 
 
 # The kind of a recorded outcome's message (model.message_kind), read as header_message_id is.
