@@ -21,12 +21,10 @@ from typing import Any
 import aiohttp
 import asyncpg
 
-from tests.conftest import free_port
-from tests.e2e.serve_process import ServeProcess, write_config
+from tests.e2e.relay_serve import relay_serve
 from tests.e2e.shared import pigeon_ok as pigeon
 from tests.e2e.shared import readme_block, settled
 from tests.peers.dkim_verify import dkim_zone, dkimpy_verify
-from tests.peers.smtp_sink import SinkState, start_sink, stop_servers
 
 
 def json_documents(text: str) -> list[Any]:
@@ -43,39 +41,19 @@ def json_documents(text: str) -> list[Any]:
 async def test_api_mail_is_signed_and_its_timeline_is_the_log_and_readme_curl_works(
     tmp_path: Path, db_url: str, pool: asyncpg.Pool
 ) -> None:
-    state = SinkState()
-    sink = await start_sink(state, "127.0.0.2", 0)
-    sink_port = sink.sockets[0].getsockname()[1]
-    api_port = free_port()
-    pigeon(db_url, "org", "add", "acme")
-    pigeon(db_url, "domain", "add", "acme", "acme.example")
-    record = json.loads(pigeon(db_url, "dkim", "keygen", "acme.example", "--json"))
-    key = json.loads(pigeon(db_url, "apikey", "add", "acme", "--json"))["key"]
-    config = write_config(
+    async with relay_serve(
         tmp_path,
-        f"""listener = []
-[server]
-hostname = "mta.test"
-data_dir = "{tmp_path}"
-node_name = "e2e-api-read"
-shutdown_timeout = "5s"
-[database]
-url = "{db_url}"
-pool_size = 4
-[api]
-listen = "127.0.0.1:{api_port}"
-[metrics]
-listen = "127.0.0.1:{free_port()}"
-[delivery]
-relayhost = "127.0.0.2:{sink_port}"
-poll_interval = "250ms"
-""",
-    )
-    serve = ServeProcess("--config", str(config), "--processes", "1")
-    url = f"http://127.0.0.1:{api_port}"
-    auth = {"Authorization": f"Bearer {key}"}
-    try:
-        await asyncio.to_thread(serve.wait_for, "worker 0 ready")
+        db_url,
+        node_name="e2e-api-read",
+        submission=False,
+        api=True,
+        tables={"database": {"pool_size": 4}, "delivery": {"poll_interval": "250ms"}},
+        setup=[("dkim", "keygen", "acme.example", "--json"), ("apikey", "add", "acme", "--json")],
+    ) as relay:
+        state, serve, api_port, url = relay.sink, relay.serve, relay.api_port, relay.api_url
+        record = json.loads(relay.prepared[0])
+        key = json.loads(relay.prepared[1])["key"]
+        auth = {"Authorization": f"Bearer {key}"}
         async with aiohttp.ClientSession(headers=auth) as session:
             order = {
                 "from": "Shop <shop@acme.example>",
@@ -146,6 +124,3 @@ poll_interval = "250ms"
         assert await pool.fetchval("SELECT count(*) FROM suppression") == 0
         assert serve.stop(signal.SIGTERM) == 0, serve.output
         assert "Traceback" not in serve.output
-    finally:
-        serve.kill()
-        await stop_servers([sink])

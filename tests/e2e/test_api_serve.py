@@ -26,8 +26,8 @@ import aiosmtplib
 import asyncpg
 
 from tests.conftest import free_port, run_pigeon
+from tests.e2e.relay_serve import relay_serve
 from tests.e2e.serve_process import ServeProcess, descendants, write_config
-from tests.e2e.shared import pigeon_ok as pigeon
 from tests.e2e.shared import readme_block, settled
 from tests.e2e.tcp_table import LISTEN, socket_inodes, tcp_sockets
 from tests.e2e.test_observability import answered, eventually
@@ -45,41 +45,23 @@ async def send(
 async def test_a_message_sent_over_http_is_delivered_and_logged_and_repeats_are_sent_once(
     tmp_path: Path, db_url: str, pool: asyncpg.Pool
 ) -> None:
-    state = SinkState()
-    sink = await start_sink(state, "127.0.0.2", 0)
-    sink_port = sink.sockets[0].getsockname()[1]
-    api_port = free_port()
-    pigeon(db_url, "org", "add", "acme")
-    pigeon(db_url, "domain", "add", "acme", "acme.example")
-    added = json.loads(pigeon(db_url, "apikey", "add", "acme", "--name", "shop", "--json"))
-    key = added["key"]
-    config = write_config(
+    async with relay_serve(
         tmp_path,
-        f"""listener = []
-[server]
-hostname = "mta.test"
-data_dir = "{tmp_path}"
-node_name = "e2e-api"
-shutdown_timeout = "5s"
-[database]
-url = "{db_url}"
-pool_size = 4
-[api]
-listen = "127.0.0.1:{api_port}"
-[metrics]
-listen = "127.0.0.1:{free_port()}"
-[delivery]
-relayhost = "127.0.0.2:{sink_port}"
-poll_interval = "250ms"
-[log]
-delivery_log = "{tmp_path}/delivery.log"
-""",
-    )
-    serve = ServeProcess("--config", str(config), "--processes", "2")
-    url = f"http://127.0.0.1:{api_port}"
-    try:
-        for worker in (0, 1):
-            await asyncio.to_thread(serve.wait_for, f"worker {worker} ready")
+        db_url,
+        node_name="e2e-api",
+        submission=False,
+        api=True,
+        processes=2,
+        tables={
+            "database": {"pool_size": 4},
+            "delivery": {"poll_interval": "250ms"},
+            "log": {"delivery_log": f"{tmp_path}/delivery.log"},
+        },
+        setup=[("apikey", "add", "acme", "--name", "shop", "--json")],
+    ) as relay:
+        state, serve, api_port, url = relay.sink, relay.serve, relay.api_port, relay.api_url
+        added = json.loads(relay.prepared[0])
+        key = added["key"]
         assert serve.output.count(f"HTTP API on http://127.0.0.1:{api_port}") == 2
 
         async with aiohttp.ClientSession() as session:
@@ -165,9 +147,6 @@ delivery_log = "{tmp_path}/delivery.log"
         assert queue_id in records and '"Reception"' in records
         assert serve.stop(signal.SIGTERM) == 0, serve.output
         assert "Traceback" not in serve.output
-    finally:
-        serve.kill()
-        await stop_servers([sink])
 
 
 def test_serve_exits_non_zero_when_the_api_cannot_bind(tmp_path: Path, db_url: str) -> None:

@@ -14,11 +14,9 @@ from pathlib import Path
 
 import asyncpg
 
-from tests.conftest import free_port, run_pigeon
-from tests.e2e.serve_process import ServeProcess, write_config
+from tests.e2e.relay_serve import relay_serve
 from tests.integration.submission_helpers import make_tls
 from tests.peers.exim import HOSTNAME, EximClient, start_exim
-from tests.peers.smtp_sink import SinkState, start_sink, stop_servers
 
 PASSWORD = "exim relay password"
 REFUSED = "x" * 130 + "@example.net"
@@ -47,99 +45,68 @@ async def test_exim_relays_through_pigeon_with_auth_and_rewritten_local_senders(
     tmp_path: Path, db_url: str, pool: asyncpg.Pool
 ) -> None:
     tls = make_tls(tmp_path)
-    state = SinkState()
-    sink = await start_sink(state, "127.0.0.2", 0)
-    sink_port = sink.sockets[0].getsockname()[1]
-    submission_port = free_port()
-    config = write_config(
-        tmp_path,
-        f"""
-[server]
-hostname = "mta.test"
-data_dir = "{tmp_path}"
-node_name = "e2e-exim"
-processes = 1
-shutdown_timeout = "5s"
-[database]
-url = "{db_url}"
-[[listener]]
-name = "submission"
-address = "127.0.0.1:{submission_port}"
-mode = "submission"
-tls_cert = "{tls.cert_file}"
-tls_key = "{tls.key_file}"
-[relay]
-sender_policy = "strict"
-[metrics]
-listen = "127.0.0.1:{free_port()}"
-[delivery]
-relayhost = "127.0.0.2:{sink_port}"
-[log]
-delivery_log = ""
-""",
-    )
-    for args, stdin in [
-        (("org", "add", "acme"), None),
-        (("domain", "add", "acme", "acme.example"), None),
-        (("user", "add", "acme", "app", "--password-stdin"), PASSWORD + "\n"),
-    ]:
-        result = await asyncio.to_thread(run_pigeon, *args, "--config", str(config), input=stdin)
-        assert result.returncode == 0, result.stderr
-
-    serve = ServeProcess("--config", str(config))
     exim: EximClient | None = None
-    try:
-        await asyncio.to_thread(serve.wait_for, "listener submission bound on")
-        exim = await asyncio.to_thread(
-            start_exim,
-            update_exim4_conf={**DEBIAN_SETTINGS, "dc_smarthost": f"127.0.0.1::{submission_port}"},
-            # README: /etc/exim4/passwd.client, /etc/email-addresses, exim4.conf.localmacros.
-            passwd_client=f"127.0.0.1:app:{PASSWORD}\n",
-            email_addresses="root: ops@acme.example\nMailer-Daemon: mailer-daemon@acme.example\n",
-            localmacros=(
-                "REMOTE_SMTP_SMARTHOST_HOSTS_REQUIRE_TLS = *\n"
-                "REMOTE_SMTP_SMARTHOST_TLS_VERIFY_HOSTS = *\n"
-            ),
-            ca_pem=tls.ca.cert_pem.bytes(),
-        )
-        # A cron job's mail: from root, to a good recipient and to one pigeon refuses (a local
-        # part over its 128 octets), so that Exim makes a bounce of its own and relays it too.
-        message = (
-            f"From: root@{HOSTNAME} (Cron Daemon)\n"
-            "To: bob@example.net\n"
-            "Subject: cron output\n"
-            "\n"
-            "Relayed by Exim, queued by pigeon.\n"
-        ).encode()
-        await asyncio.to_thread(
-            exim.submit,
-            "root",
-            ["bob@example.net", REFUSED],
-            message,
-            authenticated_sender=f"root@{HOSTNAME}",
-        )
+    async with relay_serve(
+        tmp_path,
+        db_url,
+        node_name="e2e-exim",
+        user=("app", PASSWORD),
+        tls=tls,
+        tables={"relay": {"sender_policy": "strict"}},
+    ) as relay:
+        state, serve, submission_port = relay.sink, relay.serve, relay.submission_port
         try:
-            await state.wait_for(
-                lambda: (
-                    state.deliveries()["bob@example.net"] == 1
-                    and state.deliveries()["ops@acme.example"] == 1
+            exim = await asyncio.to_thread(
+                start_exim,
+                update_exim4_conf={
+                    **DEBIAN_SETTINGS,
+                    "dc_smarthost": f"127.0.0.1::{submission_port}",
+                },
+                # README: /etc/exim4/passwd.client, /etc/email-addresses, exim4.conf.localmacros.
+                passwd_client=f"127.0.0.1:app:{PASSWORD}\n",
+                email_addresses="root: ops@acme.example\nMailer-Daemon: mailer-daemon@acme.example\n",
+                localmacros=(
+                    "REMOTE_SMTP_SMARTHOST_HOSTS_REQUIRE_TLS = *\n"
+                    "REMOTE_SMTP_SMARTHOST_TLS_VERIFY_HOSTS = *\n"
                 ),
-                90,
+                ca_pem=tls.ca.cert_pem.bytes(),
             )
-        except AssertionError:
-            raise AssertionError(
-                f"not delivered.\nexim:\n{exim.log()}\nserve:\n{serve.output}"
-            ) from None
-        # Nothing left: no frozen bounce, no deferred message.
-        await asyncio.to_thread(exim.queue_run)
-        exim_queue = await asyncio.to_thread(exim.queue)
-        exim_log = exim.log()
-    finally:
-        if exim is not None:
-            exim.close()
-        exit_code = await asyncio.to_thread(serve.stop)
-        await stop_servers([sink])
-    assert exit_code == 0, serve.output
+            # A cron job's mail: from root, to a good recipient and to one pigeon refuses (a local
+            # part over its 128 octets), so that Exim makes a bounce of its own and relays it too.
+            message = (
+                f"From: root@{HOSTNAME} (Cron Daemon)\n"
+                "To: bob@example.net\n"
+                "Subject: cron output\n"
+                "\n"
+                "Relayed by Exim, queued by pigeon.\n"
+            ).encode()
+            await asyncio.to_thread(
+                exim.submit,
+                "root",
+                ["bob@example.net", REFUSED],
+                message,
+                authenticated_sender=f"root@{HOSTNAME}",
+            )
+            try:
+                await state.wait_for(
+                    lambda: (
+                        state.deliveries()["bob@example.net"] == 1
+                        and state.deliveries()["ops@acme.example"] == 1
+                    ),
+                    90,
+                )
+            except AssertionError:
+                raise AssertionError(
+                    f"not delivered.\nexim:\n{exim.log()}\nserve:\n{serve.output}"
+                ) from None
+            # Nothing left: no frozen bounce, no deferred message.
+            await asyncio.to_thread(exim.queue_run)
+            exim_queue = await asyncio.to_thread(exim.queue)
+            exim_log = exim.log()
+        finally:
+            if exim is not None:
+                exim.close()
+    assert relay.exit_code == 0, serve.output
     assert exim_queue == "", exim_queue + exim_log
     assert "frozen" not in exim_log, exim_log
 

@@ -12,11 +12,9 @@ from pathlib import Path
 
 import asyncpg
 
-from tests.conftest import free_port, run_pigeon
-from tests.e2e.serve_process import ServeProcess, write_config
+from tests.e2e.relay_serve import relay_serve
 from tests.integration.submission_helpers import make_tls
 from tests.peers.postfix import PostfixClient, start_postfix
-from tests.peers.smtp_sink import SinkState, start_sink, stop_servers
 
 PASSWORD = "postfix relay password"
 
@@ -25,90 +23,55 @@ async def test_postfix_relays_through_pigeon_with_sasl_auth_over_starttls(
     tmp_path: Path, db_url: str, pool: asyncpg.Pool
 ) -> None:
     tls = make_tls(tmp_path)
-    state = SinkState()
-    sink = await start_sink(state, "127.0.0.2", 0)
-    sink_port = sink.sockets[0].getsockname()[1]
-    submission_port = free_port()
-    config = write_config(
-        tmp_path,
-        f"""
-[server]
-hostname = "mta.test"
-data_dir = "{tmp_path}"
-node_name = "e2e-postfix"
-processes = 1
-shutdown_timeout = "5s"
-[database]
-url = "{db_url}"
-[[listener]]
-name = "submission"
-address = "127.0.0.1:{submission_port}"
-mode = "submission"
-tls_cert = "{tls.cert_file}"
-tls_key = "{tls.key_file}"
-[metrics]
-listen = "127.0.0.1:{free_port()}"
-[delivery]
-relayhost = "127.0.0.2:{sink_port}"
-[log]
-delivery_log = ""
-""",
-    )
-    for args, stdin in [
-        (("org", "add", "acme"), None),
-        (("domain", "add", "acme", "acme.example"), None),
-        (("user", "add", "acme", "app", "--password-stdin"), PASSWORD + "\n"),
-    ]:
-        result = await asyncio.to_thread(run_pigeon, *args, "--config", str(config), input=stdin)
-        assert result.returncode == 0, result.stderr
-
-    serve = ServeProcess("--config", str(config))
     postfix: PostfixClient | None = None
-    try:
-        await asyncio.to_thread(serve.wait_for, "listener submission bound on")
-        relayhost = f"[127.0.0.1]:{submission_port}"
-        # The password map: texthash needs no postmap run. Postfix reads it (and the CA file)
-        # before it drops privileges, so root-only files are fine.
-        passwords = tmp_path / "sasl_passwd"
-        passwords.write_text(f"{relayhost} app:{PASSWORD}\n")
-        passwords.chmod(0o600)
-        ca_file = tmp_path / "ca.pem"
-        tls.ca.cert_pem.write_to_path(str(ca_file))
-        postfix = await asyncio.to_thread(
-            start_postfix,
-            {
-                "relayhost": relayhost,
-                "smtp_sasl_auth_enable": "yes",
-                "smtp_sasl_password_maps": f"texthash:{passwords}",
-                # The default also forbids plaintext mechanisms; over TLS PLAIN/LOGIN are fine.
-                "smtp_sasl_security_options": "noanonymous",
-                "smtp_sasl_tls_security_options": "noanonymous",
-                "smtp_tls_security_level": "encrypt",
-                "smtp_tls_CAfile": str(ca_file),
-                "smtp_tls_loglevel": "1",
-            },
-        )
-        message = (
-            b"From: App <app@acme.example>\n"
-            b"To: Bob <bob@example.net>\n"
-            b"Subject: through postfix\n"
-            b"\n"
-            b"Relayed by Postfix, queued by pigeon.\n"
-        )
-        await asyncio.to_thread(postfix.sendmail, "app@acme.example", ["bob@example.net"], message)
+    async with relay_serve(
+        tmp_path, db_url, node_name="e2e-postfix", user=("app", PASSWORD), tls=tls
+    ) as relay:
+        state, serve, submission_port = relay.sink, relay.serve, relay.submission_port
         try:
-            await state.wait_for(lambda: state.deliveries()["bob@example.net"] == 1, 90)
-        except AssertionError:
-            raise AssertionError(
-                f"not delivered.\npostfix log:\n{postfix.log()}\nserve:\n{serve.output}"
-            ) from None
-        postfix_log = postfix.log()
-    finally:
-        if postfix is not None:
-            await asyncio.to_thread(postfix.stop)
-        exit_code = await asyncio.to_thread(serve.stop)
-        await stop_servers([sink])
-    assert exit_code == 0, serve.output
+            relayhost = f"[127.0.0.1]:{submission_port}"
+            # The password map: texthash needs no postmap run. Postfix reads it (and the CA file)
+            # before it drops privileges, so root-only files are fine.
+            passwords = tmp_path / "sasl_passwd"
+            passwords.write_text(f"{relayhost} app:{PASSWORD}\n")
+            passwords.chmod(0o600)
+            ca_file = tmp_path / "ca.pem"
+            tls.ca.cert_pem.write_to_path(str(ca_file))
+            postfix = await asyncio.to_thread(
+                start_postfix,
+                {
+                    "relayhost": relayhost,
+                    "smtp_sasl_auth_enable": "yes",
+                    "smtp_sasl_password_maps": f"texthash:{passwords}",
+                    # The default also forbids plaintext mechanisms; over TLS PLAIN/LOGIN are fine.
+                    "smtp_sasl_security_options": "noanonymous",
+                    "smtp_sasl_tls_security_options": "noanonymous",
+                    "smtp_tls_security_level": "encrypt",
+                    "smtp_tls_CAfile": str(ca_file),
+                    "smtp_tls_loglevel": "1",
+                },
+            )
+            message = (
+                b"From: App <app@acme.example>\n"
+                b"To: Bob <bob@example.net>\n"
+                b"Subject: through postfix\n"
+                b"\n"
+                b"Relayed by Postfix, queued by pigeon.\n"
+            )
+            await asyncio.to_thread(
+                postfix.sendmail, "app@acme.example", ["bob@example.net"], message
+            )
+            try:
+                await state.wait_for(lambda: state.deliveries()["bob@example.net"] == 1, 90)
+            except AssertionError:
+                raise AssertionError(
+                    f"not delivered.\npostfix log:\n{postfix.log()}\nserve:\n{serve.output}"
+                ) from None
+            postfix_log = postfix.log()
+        finally:
+            if postfix is not None:
+                await asyncio.to_thread(postfix.stop)
+    assert relay.exit_code == 0, serve.output
 
     # Postfix verified pigeon's certificate against the test CA and handed the message over.
     assert "Trusted TLS connection established to 127.0.0.1" in postfix_log, postfix_log

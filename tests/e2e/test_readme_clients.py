@@ -26,10 +26,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, free_port, run_pigeon
-from tests.e2e.serve_process import ServeProcess, write_config
+from tests.conftest import REPO, run_pigeon
+from tests.e2e.relay_serve import relay_serve
 from tests.e2e.shared import readme_block
-from tests.peers.smtp_sink import SinkState, start_sink, stop_servers
 from tests.peers.webhook_receiver import WebhookReceiver
 
 NODE_MODULES = REPO / ".venv" / "peers" / "node" / "node_modules"
@@ -67,48 +66,14 @@ def tool(name: str) -> str:
 async def test_readme_client_examples_send_through_the_quick_start(
     tmp_path: Path, db_url: str
 ) -> None:
-    state = SinkState()
-    sink = await start_sink(state, "127.0.0.2", 0)
-    sink_port = sink.sockets[0].getsockname()[1]
-    port = str(free_port())
     # The quick start's submission listener: no tls_cert, so the self-signed certificate.
-    config = write_config(
-        tmp_path,
-        f"""
-[server]
-hostname = "mta.test"
-data_dir = "{tmp_path}"
-node_name = "e2e-readme"
-processes = 1
-shutdown_timeout = "5s"
-[database]
-url = "{db_url}"
-[[listener]]
-name = "submission"
-address = "127.0.0.1:{port}"
-mode = "submission"
-[metrics]
-listen = "127.0.0.1:{free_port()}"
-[delivery]
-relayhost = "127.0.0.2:{sink_port}"
-[log]
-delivery_log = ""
-""",
-    )
-    for args, stdin in [
-        (("org", "add", "acme"), None),
-        (("domain", "add", "acme", "example.com"), None),
-        (("user", "add", "acme", "app", "--password-stdin"), PASSWORD + "\n"),
-    ]:
-        result = await asyncio.to_thread(run_pigeon, *args, "--config", str(config), input=stdin)
-        assert result.returncode == 0, result.stderr
-
-    serve = ServeProcess("--config", str(config))
-    try:
+    async with relay_serve(
+        tmp_path, db_url, node_name="e2e-readme", domain="example.com", user=("app", PASSWORD)
+    ) as relay:
+        state, serve, port = relay.sink, relay.serve, str(relay.submission_port)
         line = await asyncio.to_thread(serve.wait_for, "uses the self-signed certificate")
         ca_file = re.search(r"uses the self-signed certificate (\S+)", line)
         assert ca_file, line
-        await asyncio.to_thread(serve.wait_for, "listener submission bound on")
 
         # Python: the snippet as a script.
         python = substitute(
@@ -161,10 +126,7 @@ delivery_log = ""
             await state.wait_for(lambda: state.deliveries()["bob@example.net"] == 3, 60)
         except AssertionError:
             raise AssertionError(f"not delivered; serve:\n{serve.output}") from None
-    finally:
-        exit_code = await asyncio.to_thread(serve.stop)
-        await stop_servers([sink])
-    assert exit_code == 0, serve.output
+    assert relay.exit_code == 0, serve.output
 
     received = state.received_by("bob@example.net")
     assert [m.mail_from for m in received] == ["app@example.com"] * 3

@@ -36,14 +36,37 @@ async def sink() -> AsyncIterator[tuple[SinkState, int]]:
         await stop_servers([server])
 
 
+class Endpoints:
+    """The webhook receivers a test starts, each registered for org `acme`; stopped at the end."""
+
+    def __init__(self, db_url: str) -> None:
+        self.db_url = db_url
+        self.started: list[WebhookReceiver] = []
+
+    async def add(
+        self, *events: str, listening: bool = True, **receiver: Any
+    ) -> tuple[WebhookReceiver, str]:
+        """A receiver (WebhookReceiver's keyword arguments; `listening=False`: a port nothing
+        listens on yet) registered for `events` (default: all): (receiver, webhook id). The
+        receiver knows the webhook's secret and checks every signature with it."""
+        endpoint = WebhookReceiver(**receiver)
+        self.started.append(endpoint)
+        if listening:
+            await endpoint.start()
+        else:
+            endpoint.port = free_port()
+        extra = ("--events", ",".join(events)) if events else ()
+        webhook_id, endpoint.secret = add_webhook(self.db_url, "acme", endpoint.url, *extra)
+        return endpoint, webhook_id
+
+
 @pytest.fixture
-async def receivers() -> AsyncIterator[list[WebhookReceiver]]:
-    """Receivers a test starts; each is stopped at the end."""
-    started: list[WebhookReceiver] = []
+async def endpoints(db_url: str) -> AsyncIterator[Endpoints]:
+    added = Endpoints(db_url)
     try:
-        yield started
+        yield added
     finally:
-        for receiver in started:
+        for receiver in added.started:
             await receiver.stop()
 
 
@@ -123,13 +146,10 @@ async def test_delivered_deferred_and_bounced_events_arrive_signed(
     pool: asyncpg.Pool,
     org_id: uuid.UUID,
     sink: tuple[SinkState, int],
-    receivers: list[WebhookReceiver],
+    endpoints: Endpoints,
 ) -> None:
     _state, port = sink
-    receiver = WebhookReceiver()
-    receivers.append(receiver)
-    await receiver.start()
-    _id, receiver.secret = add_webhook(db_url, "acme", receiver.url)
+    receiver, _id = await endpoints.add()
     serve = await start_engine(tmp_path, db_url, "node-a", port, delivery=webhook_config())
     try:
         ok, temp, bad = await queue_mail(
@@ -180,13 +200,10 @@ async def test_an_org_without_webhooks_writes_no_webhook_events(
     pool: asyncpg.Pool,
     org_id: uuid.UUID,
     sink: tuple[SinkState, int],
-    receivers: list[WebhookReceiver],
+    endpoints: Endpoints,
 ) -> None:
     _state, port = sink
-    receiver = WebhookReceiver()
-    receivers.append(receiver)
-    await receiver.start()
-    add_webhook(db_url, "acme", receiver.url, "--events", "bounced")
+    receiver, _id = await endpoints.add("bounced")
     quiet = await new_org(pool, "quiet")
     serve = await start_engine(tmp_path, db_url, "node-a", port, delivery=webhook_config())
     try:
@@ -214,13 +231,10 @@ async def test_a_receiver_down_for_a_while_gets_every_event_once_back(
     pool: asyncpg.Pool,
     org_id: uuid.UUID,
     sink: tuple[SinkState, int],
-    receivers: list[WebhookReceiver],
+    endpoints: Endpoints,
 ) -> None:
     _state, port = sink
-    receiver = WebhookReceiver()
-    receivers.append(receiver)
-    receiver.port = free_port()
-    _id, receiver.secret = add_webhook(db_url, "acme", receiver.url)
+    receiver, _id = await endpoints.add(listening=False)
     config = webhook_config(retry_initial="300ms", retry_max="1s", max_age="10m")
     serve = await start_engine(tmp_path, db_url, "node-a", port, delivery=config)
     try:
@@ -246,13 +260,10 @@ async def test_an_endpoint_that_always_answers_500_ends_failed_after_max_age(
     pool: asyncpg.Pool,
     org_id: uuid.UUID,
     sink: tuple[SinkState, int],
-    receivers: list[WebhookReceiver],
+    endpoints: Endpoints,
 ) -> None:
     _state, port = sink
-    receiver = WebhookReceiver(answer="fail")
-    receivers.append(receiver)
-    await receiver.start()
-    webhook_id, receiver.secret = add_webhook(db_url, "acme", receiver.url)
+    receiver, webhook_id = await endpoints.add(answer="fail")
     config = webhook_config(retry_initial="200ms", retry_max="500ms", max_age="3s")
     serve = await start_engine(tmp_path, db_url, "node-a", port, delivery=config)
     try:
@@ -286,16 +297,11 @@ async def test_a_stalled_receiver_holds_back_neither_mail_nor_another_endpoint(
     pool: asyncpg.Pool,
     org_id: uuid.UUID,
     sink: tuple[SinkState, int],
-    receivers: list[WebhookReceiver],
+    endpoints: Endpoints,
 ) -> None:
     _state, port = sink
-    stalled = WebhookReceiver(answer="stall", stall_seconds=30)
-    healthy = WebhookReceiver()
-    receivers.extend([stalled, healthy])
-    await stalled.start()
-    await healthy.start()
-    add_webhook(db_url, "acme", stalled.url, "--events", "delivered")
-    _id, healthy.secret = add_webhook(db_url, "acme", healthy.url, "--events", "delivered")
+    stalled, _id = await endpoints.add("delivered", answer="stall", stall_seconds=30)
+    healthy, _id = await endpoints.add("delivered")
     config = webhook_config(concurrency_per_endpoint="2", timeout="60s")
     serve = await start_engine(tmp_path, db_url, "node-a", port, delivery=config)
     try:
@@ -331,13 +337,10 @@ async def test_kill_9_of_serve_mid_flow_loses_no_event(
     pool: asyncpg.Pool,
     org_id: uuid.UUID,
     sink: tuple[SinkState, int],
-    receivers: list[WebhookReceiver],
+    endpoints: Endpoints,
 ) -> None:
     _state, port = sink
-    receiver = WebhookReceiver(answer="stall", stall_seconds=0.3)
-    receivers.append(receiver)
-    await receiver.start()
-    _id, receiver.secret = add_webhook(db_url, "acme", receiver.url, "--events", "delivered")
+    receiver, _id = await endpoints.add("delivered", answer="stall", stall_seconds=0.3)
     # Short request timeout: after the kill, the claims' leases (timeout + 10s) decide when the
     # events in flight are sent again.
     config = webhook_config(concurrency_per_endpoint="2", timeout="1s")
@@ -373,13 +376,10 @@ async def test_sigterm_hands_back_the_events_of_stalled_requests_at_once(
     pool: asyncpg.Pool,
     org_id: uuid.UUID,
     sink: tuple[SinkState, int],
-    receivers: list[WebhookReceiver],
+    endpoints: Endpoints,
 ) -> None:
     _state, port = sink
-    stalled = WebhookReceiver(answer="stall", stall_seconds=30)
-    receivers.append(stalled)
-    await stalled.start()
-    add_webhook(db_url, "acme", stalled.url, "--events", "delivered")
+    stalled, _id = await endpoints.add("delivered", answer="stall", stall_seconds=30)
     config = webhook_config(timeout="60s")
     serve = await start_engine(tmp_path, db_url, "node-a", port, delivery=config)
     try:
@@ -400,13 +400,10 @@ async def test_two_worker_processes_send_each_event_once_and_count_together(
     pool: asyncpg.Pool,
     org_id: uuid.UUID,
     sink: tuple[SinkState, int],
-    receivers: list[WebhookReceiver],
+    endpoints: Endpoints,
 ) -> None:
     _state, port = sink
-    receiver = WebhookReceiver()
-    receivers.append(receiver)
-    await receiver.start()
-    _id, receiver.secret = add_webhook(db_url, "acme", receiver.url, "--events", "delivered")
+    receiver, _id = await endpoints.add("delivered")
     path = engine_config(tmp_path, db_url, "node-a", port, delivery=webhook_config())
     path.write_text(path.read_text().replace("processes = 1\n", "processes = 2\n"))
     serve = ServeProcess("--config", str(path))
