@@ -37,7 +37,7 @@ import asyncpg
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pigeon_mta.config import Settings
-from pigeon_mta.store import admin_queue, events, suppression, upkeep
+from pigeon_mta.store import admin_queue, events, queue_summary, suppression, upkeep
 from pigeon_mta.store.admin_queue import Selection
 from pigeon_mta.store.connect import server_settings
 from pigeon_mta.store.migrate import migrate
@@ -236,8 +236,8 @@ async def commands(conn: asyncpg.Connection) -> list[tuple[str, Callable[[], Awa
         "SELECT message_id FROM recipient WHERE domain = $1 LIMIT 1", SLOW_DOMAIN
     )
     return [
-        ("queue", lambda: admin_queue.queue_summary(conn)),
-        ("queue --exact", lambda: admin_queue.queue_summary(conn, exact=True)),
+        ("queue", lambda: queue_summary.queue_summary(conn)),
+        ("queue --exact", lambda: queue_summary.queue_summary(conn, exact=True)),
         ("queue list", lambda: admin_queue.list_recipients(conn, Selection())),
         (
             "queue list --status deferred",

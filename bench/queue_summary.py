@@ -7,7 +7,7 @@ local PostgreSQL on 127.0.0.1:5432), fills it with a mix that looks like a relay
 delivered, some bounced/expired/cancelled/suppressed, and a live queue of --queued of the rows,
 four fifths of it deferred across 200 destinations), vacuums it as autovacuum would, then times:
 
-- the summary query itself (`store.admin_queue.queue_summary`), --runs times;
+- the summary query itself (`store.queue_summary.queue_summary`), --runs times;
 - the whole command (`python -m pigeon_mta queue`), a few times, process start included.
 
 The database is dropped at the end (--keep leaves it). Target: within 50 ms.
@@ -30,7 +30,7 @@ import asyncpg
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pigeon_mta.store import admin_queue  # noqa: E402
+from pigeon_mta.store import queue_summary  # noqa: E402
 from pigeon_mta.store.migrate import migrate  # noqa: E402
 
 DB_NAME = "pigeon_bench_queue_summary"
@@ -115,11 +115,11 @@ async def build(url: str, rows: int, queued: float) -> str:
 async def time_query(url: str, runs: int) -> list[float]:
     conn = await asyncpg.connect(url)
     try:
-        await admin_queue.queue_summary(conn)  # warm the cache and the prepared statements
+        await queue_summary.queue_summary(conn)  # warm the cache and the prepared statements
         times = []
         for _ in range(runs):
             started = time.perf_counter()
-            await admin_queue.queue_summary(conn)
+            await queue_summary.queue_summary(conn)
             times.append((time.perf_counter() - started) * 1000)
         return times
     finally:

@@ -1,4 +1,4 @@
-"""`queue` (summary), `queue list`, `queue show`, `queue retry`, `queue cancel`; `queue suspend`
+"""`queue` (its summary: commands/queue_summary.py), `queue list`, `queue show`, `queue retry`, `queue cancel`; `queue suspend`
 and `queue resume` are in commands/suspend.py."""
 
 from __future__ import annotations
@@ -7,29 +7,23 @@ import argparse
 import dataclasses
 import json
 import uuid
-from collections.abc import Iterable
-from datetime import UTC, datetime
 from typing import Any
 
-from pigeon_mta.commands import suspend
+from pigeon_mta.commands import queue_summary, suspend
 from pigeon_mta.commands.common import (
     CliError,
     add_common,
     eprint,
-    format_age,
     jsonable,
     open_database,
     print_object,
     print_rows,
-    text_cell,
 )
+from pigeon_mta.commands.queue_summary import reply_text, short_reply
 from pigeon_mta.commands.suppress import org_named
 from pigeon_mta.config import Duration
-from pigeon_mta.store import admin_queue, suspensions
-from pigeon_mta.store import budgets as store_budgets
+from pigeon_mta.store import admin_queue
 from pigeon_mta.store.admin_queue import Selection
-
-REPLY_WIDTH = 60  # table cells; --json gives the whole reply
 
 
 def register(sub: Any) -> None:
@@ -41,7 +35,7 @@ def register(sub: Any) -> None:
         action="store_true",
         help="count finished recipients exactly (a full table scan) instead of estimating",
     )
-    queue.set_defaults(handler=cmd_summary)
+    queue.set_defaults(handler=queue_summary.cmd_summary)
     commands = queue.add_subparsers(dest="queue_command", metavar="COMMAND")
 
     p = commands.add_parser("list", help="list recipients (default: the live queue)")
@@ -137,166 +131,6 @@ def _is_uuid(value: str) -> bool:
     return True
 
 
-# ---------------------------------------------------------------- summary
-
-
-async def cmd_summary(args: argparse.Namespace) -> int:
-    async with open_database(args) as (settings, conn):
-        summary = await admin_queue.queue_summary(conn, top=args.top, exact=args.exact)
-        budgets = await store_budgets.list_budgets(conn)
-        suspended = await suspensions.list_suspensions(conn)
-    lanes = lane_rows(summary, settings.lanes)
-    if args.json:
-        data = {**summary_object(summary), "lanes": lanes}
-        data["budgets"] = [dataclasses.asdict(b) for b in budgets]
-        data["suspensions"] = [dataclasses.asdict(s) for s in suspended]
-        print(json.dumps(jsonable(data), indent=2))
-        return 0
-    print_rows(args, summary_rows(summary), ["status", "recipients"])
-    print()
-    if summary.due:
-        print(f"oldest due recipient has waited {format_age(summary.oldest_due_age)}")
-    else:
-        print("nothing is due")
-    if summary.estimated:
-        print("(~ marks estimates from table statistics; --exact counts them)")
-    print()
-    print_rows(
-        args,
-        [{**lane, "oldest_due": format_age(lane["oldest_due_age_seconds"])} for lane in lanes],
-        ["lane", "queued", "due", "deferred", "delivering", "oldest_due"],
-    )
-    print()
-    print_rows(
-        args,
-        [
-            {
-                "destination": d.domain,
-                "deferred": d.deferred,
-                "latest_reply": _short(_reply(d.last_code, d.last_enhanced_code, d.last_response)),
-                "at": d.last_at,
-            }
-            for d in summary.top_deferred
-        ],
-        ["destination", "deferred", "latest_reply", "at"],
-    )
-    if budgets:
-        print()
-        print_rows(args, [budget_row(b) for b in budgets], BUDGET_COLUMNS)
-    if suspended:
-        print()
-        suspend.print_suspensions(args, suspended)
-    return 0
-
-
-BUDGET_COLUMNS = [
-    "budget",
-    "rate",
-    "effective_rate",
-    "concurrency",
-    "effective",
-    "sessions",
-    "waiting",
-    "state",
-    "throttling_reply",
-]
-
-
-def budget_row(b: store_budgets.BudgetState) -> dict[str, Any]:
-    """A limited destination, lane or org: configured and effective limits, backoff state."""
-    kind = b.key.split(":", 1)[0]
-    name = b.name
-    source = store_budgets.DEFAULT_SOURCE
-    if b.key.startswith(store_budgets.DESTINATION):
-        # A destination's key names a pattern entry, a site (its MX hosts) or a route, as seen
-        # from an egress source.
-        source, name = store_budgets.source_and_site(b.key)
-        if name.startswith("site:"):
-            kind = "site"
-    name = name.removeprefix("pattern:").removeprefix("mx:").removeprefix("site:")
-    if source != store_budgets.DEFAULT_SOURCE:
-        name += f" from {source}"
-    state = "ok"
-    if b.parked_until is not None:
-        state = f"parked, probe at {_clock(b.parked_until)}: {_short(b.parked_reason or '')}"
-    elif b.capped and not b.backoff:
-        state = "capped where it throttled us (no limits configured)"
-    elif b.backoff:
-        state = f"backing off since {_clock(b.throttled_at)}"
-        if b.held_until is not None and b.held_until > datetime.now(UTC):
-            state += f", held until {_clock(b.held_until)}"
-    return {
-        "budget": f"{kind} {name}",
-        "rate": _limit(b.rate),
-        "effective_rate": _limit(b.effective_rate),
-        "concurrency": _limit(b.concurrency),
-        "effective": _limit(b.effective_concurrency),
-        "sessions": b.sessions,
-        "waiting": b.waiting,
-        "state": state,
-        "throttling_reply": _short(b.last_reply) if b.backoff and b.last_reply else "-",
-    }
-
-
-def _limit(value: float) -> str:
-    return f"{value:g}" if value > 0 else "-"
-
-
-def _clock(when: datetime | None) -> str:
-    return when.astimezone(UTC).strftime("%H:%M:%S") if when else "?"
-
-
-def summary_rows(summary: admin_queue.QueueSummary) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for status, count in summary.counts.items():
-        shown = f"~{count}" if status in summary.estimated else str(count)
-        rows.append({"status": status, "recipients": shown})
-        if status == "queued":
-            rows.append({"status": "  due now", "recipients": str(summary.due)})
-            rows.append({"status": "  deferred", "recipients": str(summary.deferred)})
-    return rows
-
-
-def lane_rows(summary: admin_queue.QueueSummary, configured: Iterable[str]) -> list[dict[str, Any]]:
-    """The live queue of each lane: the configured lanes (with no mail, zeros) and any lane that
-    queued mail still carries after the settings dropped it. "queued" counts the deferred too."""
-    by_lane = {lane.lane: lane for lane in summary.lanes}
-    return [
-        {
-            "lane": name,
-            "queued": lane.queued if lane else 0,
-            "due": lane.due if lane else 0,
-            "deferred": lane.deferred if lane else 0,
-            "delivering": lane.delivering if lane else 0,
-            "oldest_due_age_seconds": round(lane.oldest_due_age, 3) if lane else 0.0,
-        }
-        for name in sorted({*configured, *by_lane})
-        for lane in [by_lane.get(name)]
-    ]
-
-
-def summary_object(summary: admin_queue.QueueSummary) -> dict[str, Any]:
-    return {
-        "counts": summary.counts,
-        "estimated": sorted(summary.estimated),
-        "due": summary.due,
-        "deferred": summary.deferred,
-        "oldest_due_age_seconds": round(summary.oldest_due_age, 3),
-        "top_deferred_destinations": [
-            {
-                "domain": d.domain,
-                "deferred": d.deferred,
-                "latest_reply": _reply(d.last_code, d.last_enhanced_code, d.last_response),
-                "code": d.last_code,
-                "enhanced_code": d.last_enhanced_code,
-                "response": d.last_response,
-                "at": d.last_at,
-            }
-            for d in summary.top_deferred
-        ],
-    }
-
-
 # ---------------------------------------------------------------- list / show
 
 LIST_COLUMNS = [
@@ -323,7 +157,7 @@ async def cmd_list(args: argparse.Namespace) -> int:
 
 def _recipient(row: admin_queue.RecipientRow, *, full: bool) -> dict[str, Any]:
     data = dataclasses.asdict(row)
-    data["last_reply"] = row.last_reply if full else _short(row.last_reply)
+    data["last_reply"] = row.last_reply if full else short_reply(row.last_reply)
     return data
 
 
@@ -361,8 +195,8 @@ async def cmd_show(args: argparse.Namespace) -> int:
     if detail.attempts:
         print()
         for attempt in detail.attempts:
-            attempt["reply"] = _short(
-                _reply(attempt["code"], attempt["enhanced_code"], attempt["response"])
+            attempt["reply"] = short_reply(
+                reply_text(attempt["code"], attempt["enhanced_code"], attempt["response"])
             )
         print_rows(
             args,
@@ -427,12 +261,3 @@ async def cmd_action(args: argparse.Namespace) -> int:
             "their state (run the command again once it is recorded)"
         )
     return 0
-
-
-def _reply(code: int | None, enhanced: str | None, text: str | None) -> str | None:
-    return " ".join(str(p) for p in (code, enhanced, text) if p) or None
-
-
-def _short(text: str | None) -> str:
-    cell = text_cell(text)
-    return cell if len(cell) <= REPLY_WIDTH else cell[: REPLY_WIDTH - 1] + "…"

@@ -7,7 +7,7 @@ import uuid
 
 import asyncpg
 
-from pigeon_mta.store import admin_queue, upkeep
+from pigeon_mta.store import queue_summary, upkeep
 from tests.integration.queue_helpers import bulk_queue
 from tests.integration.test_queue import _plan_nodes
 
@@ -33,10 +33,10 @@ async def test_summary_queries_use_the_partial_indexes(
 
     live = await _scans(pool, upkeep._STATS)
     assert live and all(kind != "Seq Scan" for kind, _ in live), live
-    top = await _scans(pool, admin_queue._TOP_DEFERRED, 10)
+    top = await _scans(pool, queue_summary._TOP_DEFERRED, 10)
     assert {name for _, name in top} == {"recipient_deferred"}, top
 
-    summary = await admin_queue.queue_summary(pool, estimate_above=1000)
+    summary = await queue_summary.queue_summary(pool, estimate_above=1000)
     assert summary.counts["queued"] == 2_050 and summary.deferred == 2_000
     assert summary.due == 50
     assert [(lane.lane, lane.queued, lane.deferred, lane.due) for lane in summary.lanes] == [
@@ -46,5 +46,5 @@ async def test_summary_queries_use_the_partial_indexes(
     # History is estimated from the statistics on a big table, exact when asked.
     assert "delivered" in summary.estimated
     assert abs(summary.counts["delivered"] - 40_000) < 4_000
-    exact = await admin_queue.queue_summary(pool, exact=True)
+    exact = await queue_summary.queue_summary(pool, exact=True)
     assert exact.counts["delivered"] == 40_000 and not exact.estimated
