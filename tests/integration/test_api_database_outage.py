@@ -1,6 +1,6 @@
 """The database goes away under the running API: requests get 503 with Retry-After and nothing is
-queued; once it is back, the API serves again by itself. A commit whose answer is lost is not
-queued again by a repeat with the same Idempotency-Key.
+queued; once it is back, the API serves again by itself. A commit whose answer is lost, or whose
+client hung up while it waited, is not queued again by a repeat with the same Idempotency-Key.
 
 aiohttp client ──HTTP──► ApiService 127.0.0.1:<free port> ──X── PostgreSQL (connections refused)
                                       └─ group commit ──► CommitCutter (loopback) ──► PostgreSQL
@@ -8,6 +8,7 @@ aiohttp client ──HTTP──► ApiService 127.0.0.1:<free port> ──X─�
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -175,3 +176,73 @@ async def test_a_send_that_meets_the_outage_in_the_intake_is_logged_once(
     trouble = [r.getMessage() for r in caplog.records if "database trouble" in r.getMessage()]
     assert len(trouble) == 1, trouble
     assert f"apikey:{api.key_id}" in trouble[0]
+
+
+async def test_a_client_gone_mid_commit_and_its_repeat_queue_the_message_once(
+    pool: asyncpg.Pool, db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The commit of a keyed request waits on a lock; its client gives up and hangs up, and sends
+    the request again while the first commit still waits. Once the lock is gone both commits end:
+    the message is queued once, under the queue id the key claimed, and every answer names it."""
+    message = {"from": "shop@acme.example", "to": ["ann@dest.example", "bob@dest.example"]}
+    message["text"] = "once, whatever the client does"
+    caplog.set_level(logging.INFO)
+    async with running_api(pool) as api:
+        headers = {"Authorization": f"Bearer {api.key}", "Idempotency-Key": "gone-1"}
+        blocker = await asyncpg.connect(db_url)
+        try:
+            lock = blocker.transaction()
+            await lock.start()
+            # The enqueue's foreign-key check on the org row waits while this holds it.
+            await blocker.execute("SELECT * FROM org WHERE name = 'acme' FOR UPDATE")
+
+            async def waiting_on_the_lock(count: int) -> bool:
+                for _ in range(500):  # bounded: 10 s
+                    waiting = await blocker.fetchval(
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                        " AND wait_event_type = 'Lock'"
+                    )
+                    if waiting >= count:
+                        return True
+                    await asyncio.sleep(0.02)
+                return False
+
+            # The first request: the client hangs up while its commit waits.
+            gone = aiohttp.ClientSession()
+            first = asyncio.create_task(
+                gone.post(api.url + "/v1/messages", json=message, headers=headers)
+            )
+            assert await waiting_on_the_lock(1), "the first commit never waited on the lock"
+            first.cancel()
+            await gone.close()
+            # The repeat, on a new connection, while the first commit still waits.
+            async with aiohttp.ClientSession() as session:
+                repeat = asyncio.create_task(
+                    session.post(api.url + "/v1/messages", json=message, headers=headers)
+                )
+                await asyncio.sleep(0.3)
+                assert not repeat.done()
+                await lock.rollback()
+                answer = await asyncio.wait_for(repeat, 30)
+                assert answer.status == 202, await answer.text()
+                repeated = json.loads(await answer.read())
+                # And once more, after both: the answer the key keeps.
+                async with session.post(
+                    api.url + "/v1/messages", json=message, headers=headers
+                ) as again:
+                    assert again.status == 202, await again.text()
+                    kept = json.loads(await again.read())
+        finally:
+            await blocker.close()
+    rows = await pool.fetch("SELECT id FROM message")
+    assert [str(r["id"]) for r in rows] == [repeated["queue_id"]]
+    assert kept["queue_id"] == repeated["queue_id"]
+    recipients = await pool.fetch(
+        "SELECT id, address FROM recipient WHERE message_id = $1 ORDER BY address", rows[0]["id"]
+    )
+    assert [r["address"] for r in recipients] == ["ann@dest.example", "bob@dest.example"]
+    expected = [{"address": r["address"], "id": str(r["id"])} for r in recipients]
+    assert repeated["recipients"] == expected and kept["recipients"] == expected
+    # One of the two commits found the other's message under the claimed queue id.
+    repeats = [r for r in caplog.records if "was queued by a repeat of its submission" in r.message]
+    assert len(repeats) == 1, [r.message for r in caplog.records]
