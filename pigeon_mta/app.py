@@ -126,11 +126,13 @@ async def worker_services(
     open while they run. `lease_owner` names the node's run (pigeon_mta/node.py)."""
     # Imported here: admin commands import this module and need no SMTP or HTTP code.
     from pigeon_mta.api.server import ApiService
+    from pigeon_mta.feedback.processor import FeedbackProcessor
+    from pigeon_mta.feedback.return_paths import ReturnPaths
     from pigeon_mta.intake.accept import Intake
     from pigeon_mta.outbound.engine import DeliveryEngine
     from pigeon_mta.signer import DkimSigner
     from pigeon_mta.store.notify import QueueWaker
-    from pigeon_mta.submission.service import SubmissionService
+    from pigeon_mta.submission.service import Feedback, SubmissionService
     from pigeon_mta.webhooks.sender import WebhookSender
 
     # The pools close in reverse order, each whatever happens to the other.
@@ -155,6 +157,9 @@ async def worker_services(
         # from the record (outbound/recorder.py), and claims from the outbox only what others
         # wrote or left there.
         webhooks = WebhookSender(settings.webhooks, pool)
+        # Return-path domains and VERP keys: the engine's envelope senders, the feedback
+        # listeners' domains (feedback/return_paths.py).
+        return_paths = ReturnPaths(settings, pool)
         engine = None
         if settings.delivery.enabled:
             engine = DeliveryEngine(
@@ -166,10 +171,14 @@ async def worker_services(
                 lease_owner=lease_owner,
                 record_pool=record_pool,
                 webhooks=webhooks,
+                senders=return_paths.split,
             )
         # No NOTIFY for what this process's own engine takes at once (NotifySender).
         notifier = NotifySender(pool, waker, local_takes=engine.takes if engine else None)
-        services: list[Service] = [_Resources([signer.close, delivery_log.close], notifier)]
+        services: list[Service] = [
+            _Resources([signer.close, delivery_log.close], notifier),
+            return_paths,
+        ]
         # The webhook sender stops after the engine, sending the events of its last outcomes;
         # it holds its own slots per endpoint and never waits on the engine (webhooks/sender.py).
         services.append(webhooks)
@@ -188,7 +197,12 @@ async def worker_services(
             on_queued=notifier.poke,
             delivery_log=delivery_log,
         )
-        services.append(SubmissionService(settings, pool, intake))
+        feedback = None
+        if return_paths.verifies:  # a feedback listener: its processor reads what it keeps
+            processor = FeedbackProcessor(pool, return_paths)
+            services.append(processor)
+            feedback = Feedback(return_paths, processor.poke)
+        services.append(SubmissionService(settings, pool, intake, feedback=feedback))
         if settings.api.listen is not None:
             services.append(ApiService(settings, pool, intake))
         elif index == 0:

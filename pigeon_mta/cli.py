@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "log": ("log", "where is a message, and why: its reception, every attempt, its state now"),
     "suppress": ("suppress", "suppression list"),
     "webhook": ("webhooks", "HTTP endpoints told about an org's mail"),
+    "feedback": ("feedback", "bounces and complaint reports that came back"),
 }
 
 EXIT_ERROR = 1

@@ -55,7 +55,7 @@ class DatabaseSettings:
     statement_timeout: Duration = Duration(10)
 
 
-ListenerMode = Literal["submission", "submissions", "relay"]
+ListenerMode = Literal["submission", "submissions", "relay", "feedback"]
 
 
 @dataclass(frozen=True)
@@ -337,6 +337,17 @@ class BounceSettings:
     # How long a hard bounce (invalid recipient, bad domain) keeps an address on its org's
     # suppression list; 0 keeps it until removed with `pigeon-mta suppress remove`.
     suppress_for: Duration = Duration(0)
+    # The return-path domain of every sender domain that names none (`domain set DOMAIN
+    # --return-path`): mail leaves with the envelope sender b-TOKEN@THIS, one per recipient, so
+    # that bounces arriving later and complaints come back to a `feedback` listener. "": the
+    # sender's own address.
+    return_path_domain: str = ""
+    # Addresses a `feedback` listener takes complaint reports (ARF) for, besides the return-path
+    # domains: the addresses registered with the providers' feedback loops.
+    complaint_addresses: tuple[str, ...] = ()
+    # How long a retired VERP key still verifies the tokens it signed (`feedback rotate-key`):
+    # reports arrive days after the mail, complaints weeks.
+    feedback_max_age: Duration = Duration(30 * 86400)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from pigeon_mta.config_build import build
 from pigeon_mta.config_build import settings_schema_keys as settings_schema_keys
 from pigeon_mta.config_shaping import check_shaping
 from pigeon_mta.config_values import nameserver_address
+from pigeon_mta.domains import normalize_domain
 
 ENV_CONFIG = "PIGEON_CONFIG"
 ENV_DATABASE_URL = "PIGEON_DATABASE_URL"
@@ -190,12 +191,30 @@ def _check(settings: Settings) -> None:
     if settings.database.pool_size < 1:
         raise ConfigError("'database.pool_size' must be at least 1")
     _check_webhooks(settings)
-    warn_after = settings.bounces.delay_warning_after
-    if warn_after < 0 or (warn_after > 0 and warn_after >= delivery.max_age):
+    _check_bounces(settings)
+
+
+def _check_bounces(settings: Settings) -> None:
+    bounces = settings.bounces
+    warn_after = bounces.delay_warning_after
+    if warn_after < 0 or (warn_after > 0 and warn_after >= settings.delivery.max_age):
         raise ConfigError(
             "'bounces.delay_warning_after' must be 0 (no warnings) or less than "
             "'delivery.max_age' (the recipient expires then)"
         )
+    if bounces.return_path_domain and normalize_domain(bounces.return_path_domain) is None:
+        raise ConfigError(
+            f"bad value for 'bounces.return_path_domain': {bounces.return_path_domain!r} is not "
+            "a domain name (like bounces.example.com)"
+        )
+    for address in bounces.complaint_addresses:
+        local, at, domain = address.rpartition("@")
+        if not (at and local and normalize_domain(domain)) or any(c.isspace() for c in address):
+            raise ConfigError(
+                f"bad value in 'bounces.complaint_addresses': {address!r} is not an address"
+            )
+    if bounces.feedback_max_age <= 0:
+        raise ConfigError("'bounces.feedback_max_age' must be more than zero")
 
 
 # A host name as EHLO, Message-IDs and bounce senders use it: letters, digits, dots, hyphens

@@ -22,6 +22,7 @@ from typing import Any
 from pigeon_mta.model import EVENT_TYPE, AttemptResult, Delivery, Envelope, Outcome, message_kind
 from pigeon_mta.store.duplicates import DuplicateRecord, Duplicates
 from pigeon_mta.store.events import AttemptRecord, MessageStory
+from pigeon_mta.store.feedback import RecordedEvent as FeedbackEvent
 
 Record = dict[str, Any]
 
@@ -280,9 +281,42 @@ def story_records(story: MessageStory) -> list[Record]:
         _stored_attempt_record(story, a, addresses.get(a.recipient_id, "")) for a in story.attempts
     ]
     duplicates = [duplicate_record(d) for d in story.duplicates]
+    feedback = [feedback_record(m.header_message_id, m.sender, f) for f in story.feedback]
     # Timestamps are ISO 8601 in UTC of one width: their text sorts as time does.
-    records.extend(heapq.merge(attempts, duplicates, key=lambda r: str(r["timestamp"])))
+    records.extend(heapq.merge(attempts, duplicates, feedback, key=lambda r: str(r["timestamp"])))
     return records
+
+
+# What a feedback event is in the log: a hard async bounce a Bounce, a soft one or a delay a
+# TransientFailure, a complaint a Complaint; each marked "async" (`pigeon-mta log` shows
+# "Bounce (async)").
+COMPLAINT = "Complaint"
+
+
+def feedback_record(header_message_id: str | None, sender: str, f: FeedbackEvent) -> Record:
+    if f.kind == "complaint":
+        kind = COMPLAINT
+    else:
+        kind = EVENT_TYPE[Outcome.BOUNCED if f.kind == "bounce" and f.hard else Outcome.DEFERRED]
+    return event_record(
+        kind,
+        timestamp=f.recorded_at,
+        queue_id=f.queue_id,
+        message_id=header_message_id,
+        org=f.org_id,
+        sender=sender,
+        recipient=f.address,
+        code=f.code,
+        enhanced_code=f.enhanced_code,
+        response=f.response,
+        extra={
+            "async": True,
+            "category": f.category,
+            "feedback_type": f.feedback_type,
+            "feedback_id": str(f.feedback_id),
+            "changed_state": f.changed_state,
+        },
+    )
 
 
 def _stored_attempt_record(story: MessageStory, a: AttemptRecord, address: str) -> Record:

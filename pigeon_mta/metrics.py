@@ -127,6 +127,14 @@ QUEUE_DUE_RECIPIENTS = Gauge(
     multiprocess_mode="mostrecent",
 )
 
+# ---------------------------------------------------------------- feedback
+FEEDBACK = Counter(
+    "pigeon_feedback",
+    "Feedback messages read (feedback listener): kind (bounce, delay, complaint, unknown) by what "
+    "became of them (applied, unmatched, not-understood)",
+    ["kind", "outcome"],
+)
+
 # ---------------------------------------------------------------- webhooks
 WEBHOOK_DELIVERIES = Counter(
     "pigeon_webhook_deliveries",

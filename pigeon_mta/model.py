@@ -226,6 +226,9 @@ class Delivery:
     # and the seconds to wait before sending, until they are there.
     site: str | None = None
     site_delay: float = 0.0
+    # The envelope sender it leaves with when that is not `sender`: a VERP address at a
+    # return-path domain (feedback/return_paths.py), for its one recipient.
+    mail_from: str | None = None
 
 
 @dataclass(frozen=True)

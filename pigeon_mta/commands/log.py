@@ -14,6 +14,7 @@ from pigeon_mta.model import EVENT_TYPE, Outcome, message_kind
 from pigeon_mta.store import events as store_events
 from pigeon_mta.store.duplicates import DuplicateRecord
 from pigeon_mta.store.events import AttemptRecord, MessageStory, RecipientRecord
+from pigeon_mta.store.feedback import RecordedEvent as FeedbackEvent
 
 DEFAULT_LIMIT = 10
 
@@ -127,9 +128,29 @@ def _timeline(story: MessageStory) -> list[dict[str, Any]]:
     addresses = {r.id: r.address for r in story.recipients}
     attempts = [_attempt_row(story, a, addresses.get(a.recipient_id, "?")) for a in story.attempts]
     duplicates = [_duplicate_row(d) for d in story.duplicates]
+    feedback = [_feedback_row(f) for f in story.feedback]
     # Each list is in time order already; the times are text of one width.
-    rows.extend(heapq.merge(attempts, duplicates, key=lambda row: str(row["time"])))
+    rows.extend(heapq.merge(attempts, duplicates, feedback, key=lambda row: str(row["time"])))
     return rows
+
+
+def _feedback_row(f: FeedbackEvent) -> dict[str, Any]:
+    """What a bounce arriving later or a complaint report said (feedback/)."""
+    if f.kind == "complaint":
+        event = f"Complaint ({f.feedback_type or 'abuse'})"
+    elif f.kind == "bounce" and f.hard:
+        event = "Bounce (async)"
+    else:
+        event = "TransientFailure (async)"
+    reply = " ".join(str(p) for p in (f.code, f.enhanced_code, f.response) if p)
+    if f.changed_state:
+        reply += "; delivered -> bounced"
+    return {
+        "time": _time(f.recorded_at),
+        "event": event,
+        "recipient": f.address,
+        "reply": f"{reply}; feedback {f.feedback_id}".replace("\r", "").replace("\n", " / "),
+    }
 
 
 def _duplicate_row(d: DuplicateRecord) -> dict[str, Any]:

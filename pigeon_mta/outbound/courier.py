@@ -245,7 +245,7 @@ class Courier:
             try:
                 tx = await transact(
                     connected,
-                    sender=delivery.sender,
+                    sender=delivery.mail_from or delivery.sender,
                     recipients=delivery.recipients,
                     message=message,
                     command_timeout=self.delivery.command_timeout,

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import random
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
 import asyncpg
@@ -70,10 +70,11 @@ class DeliveryEngine:
         lease_owner: str = "",
         record_pool: asyncpg.Pool | None = None,
         webhooks: EventHandoff | None = None,
+        senders: Callable[[Sequence[Delivery]], list[Delivery]] = list,
     ) -> None:
-        """`record_pool`: the connections results are recorded on (the worker gives the engine
-        its own, see `store.connect.record_pool`); `pool` when not given. `webhooks`: the
-        process's webhook sender, handed the events of the outcomes recorded (recorder.py)."""
+        """`record_pool`: what results are recorded on (store/connect.py), else `pool`;
+        `webhooks`: the process's webhook sender, handed the events of the recorded outcomes
+        (recorder.py); `senders`: the deliveries as they leave (feedback/return_paths.py)."""
         self.settings = settings
         self.delivery = settings.delivery
         # What its claims name as their holder: `serve` passes the node's run (pigeon_mta/node.py).
@@ -81,6 +82,7 @@ class DeliveryEngine:
         self.pool = pool
         self.router = router or Router(settings)
         self.claims = Claims(pool, owner=self.owner, lease=self.delivery.lease)
+        self._senders = senders
         self.courier = Courier(
             settings,
             sign=sign,
@@ -97,8 +99,7 @@ class DeliveryEngine:
             delivery_log or DeliveryLog.open(""),
             webhooks,
         )
-        # A waker shared with this process's listeners wakes the engine at once after they queue
-        # mail; it also LISTENs for mail queued elsewhere.
+        # Shared with this process's listeners: woken at once after they queue; LISTENs too.
         self.waker = waker or (QueueWaker(listen) if listen is not None else None)
         self._stopping = asyncio.Event()
         self.room = Room(self.delivery)
@@ -146,7 +147,7 @@ class DeliveryEngine:
         as if claimed (suppressed ones recorded, not attempted)."""
         if rows:
             self.unreserve(len(rows), rows[0].org_id)
-        deliveries = group_deliveries(rows, self.router.destination)
+        deliveries = self._senders(group_deliveries(rows, self.router.destination))
         self.claims.hold(deliveries, asyncio.get_running_loop().time())
         if self._stopping.is_set():
             # Past the listeners' drain: back to the queue for another process or the next run.
@@ -166,10 +167,9 @@ class DeliveryEngine:
             self.waker.wake()
         if self._claimer is not None:
             await finish_task(self._claimer, deadline - loop.time())
-        # Work that has not reached its SMTP transaction is handed back at once.
+        # Work not at its SMTP transaction is handed back; in-flight ones may finish.
         for task in self.room.not_started:
             task.cancel()
-        # In-flight transactions may finish until shortly before the deadline.
         reserve = min(STOP_RESERVE, max(0.0, deadline - loop.time()) / 4)
         await self.room.finish(deadline - reserve - loop.time(), self.connections.abort_busy)
         # Record what finished, then hand back what did not.
@@ -230,7 +230,7 @@ class DeliveryEngine:
                 await self._idle(delivery.poll_interval)
                 continue
             self.room.promised = 0
-            deliveries = group_deliveries(claimed.rows, self.router.destination)
+            deliveries = self._senders(group_deliveries(claimed.rows, self.router.destination))
             self.claims.hold(deliveries, loop.time())
             self._start(deliveries)
             if claimed.rows and len(claimed.rows) < want and orgs.limited(org_room, want):

@@ -20,6 +20,8 @@ class SenderDomain:
     org: str
     domain: str
     created_at: datetime
+    # Where its mail's bounces return (store/return_path.py); None: [bounces] return_path_domain.
+    return_path: str | None = None
 
 
 class DomainTaken(Exception):
@@ -61,6 +63,19 @@ async def list_sender_domains(db: Executor) -> list[SenderDomain]:
     return [
         SenderDomain(r["id"], r["org_id"], r["org"], r["domain"], r["created_at"]) for r in rows
     ]
+
+
+async def find_sender_domain(db: Executor, domain: str) -> SenderDomain | None:
+    row = await db.fetchrow(
+        """SELECT d.id, d.org_id, o.name AS org, d.domain, d.created_at, d.return_path
+           FROM sender_domain d JOIN org o ON o.id = d.org_id WHERE d.domain = $1""",
+        domain,
+    )
+    if row is None:
+        return None
+    return SenderDomain(
+        row["id"], row["org_id"], row["org"], row["domain"], row["created_at"], row["return_path"]
+    )
 
 
 async def org_may_send_as(db: Executor, org_id: uuid.UUID, domain: str) -> bool:

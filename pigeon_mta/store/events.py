@@ -19,6 +19,8 @@ from pigeon_mta.model import DSN_LISTENER
 from pigeon_mta.store import suspensions
 from pigeon_mta.store.duplicates import DuplicateRecord, duplicates_of
 from pigeon_mta.store.executor import Executor
+from pigeon_mta.store.feedback import RecordedEvent as FeedbackEvent
+from pigeon_mta.store.feedback import events_of_recipients
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,8 @@ class MessageStory:
     suppressed: Mapping[uuid.UUID, str] = field(default_factory=dict)
     # Later submissions that named its recipients again and were not queued again, oldest first.
     duplicates: tuple[DuplicateRecord, ...] = ()
+    # What bounces arriving later and complaint reports said of its recipients (feedback/).
+    feedback: tuple[FeedbackEvent, ...] = ()
 
 
 # ---------------------------------------------------------------- finding messages
@@ -261,6 +265,7 @@ async def stories_of(
     duplicates = await duplicates_of(db, ids)
     if addresses:
         duplicates = [d for d in duplicates if d.address in wanted]
+    feedback = await events_of_recipients(db, list(kept))
     return [
         MessageStory(
             message=m,
@@ -269,6 +274,7 @@ async def stories_of(
             dsns=dsns,
             suppressed=suppressed,
             duplicates=tuple(d for d in duplicates if d.original_id == m.id),
+            feedback=tuple(f for f in feedback if f.queue_id == m.id),
         )
         for m in messages
     ]

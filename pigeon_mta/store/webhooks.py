@@ -48,10 +48,12 @@ def event_payload(
     category: str,
     attempt: str,
     kind: str,
+    extra: Mapping[str, str] | None = None,
 ) -> str:
     """The SQL expression of an event's body, {"type", "timestamp", "data"}, from the column
-    expressions of the statement that writes it. The timestamp is the recording transaction's
-    time, in UTC with milliseconds."""
+    expressions of the statement that writes it; `extra` adds fields to data (name: SQL). The
+    timestamp is the recording transaction's time, in UTC with milliseconds."""
+    more = "".join(f", '{name}', {value}" for name, value in (extra or {}).items())
     return f"""jsonb_build_object(
         'type', {type_},
         'timestamp', to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"'),
@@ -59,7 +61,7 @@ def event_payload(
             'queue_id', {queue_id}, 'recipient_id', {recipient_id}, 'recipient', {recipient},
             'message_id', {message_id}, 'code', {code}, 'enhanced_code', {enhanced_code},
             'response', {response}, 'category', {category}, 'attempt', {attempt},
-            'kind', {kind}))"""
+            'kind', {kind}{more}))"""
 
 
 # The header Message-ID of a recorded outcome's message, read only for the rows that have a webhook

@@ -18,7 +18,7 @@ from pigeon_mta.metrics import SMTP_REJECTIONS
 from pigeon_mta.submission import replies
 from pigeon_mta.submission.context import Conversation, ListenerContext
 from pigeon_mta.submission.data import DataProblem, read_data
-from pigeon_mta.submission.handler import SubmissionHandler, names_with_prefixes
+from pigeon_mta.submission.handler import names_with_prefixes
 from pigeon_mta.submission.mail_params import Malformed, TransactionEnvelope, take_auth_param
 
 log = logging.getLogger("pigeon_mta.submission")
@@ -42,7 +42,8 @@ class _QuietSession(Session):
 
 
 class SMTPSession(SMTP):
-    def __init__(self, handler: SubmissionHandler, ctx: ListenerContext) -> None:
+    def __init__(self, handler: Any, ctx: ListenerContext) -> None:
+        """`handler`: a SubmissionHandler, or a feedback listener's FeedbackHandler."""
         implicit_tls = ctx.mode == "submissions"
         plaintext_auth = ctx.plaintext_auth
         super().__init__(

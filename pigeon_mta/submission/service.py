@@ -11,10 +11,14 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import asyncpg
 
 from pigeon_mta.config import ListenerSettings, Settings
+from pigeon_mta.feedback.listener import FeedbackHandler
+from pigeon_mta.feedback.return_paths import ReturnPaths
 from pigeon_mta.intake.accept import Intake
 from pigeon_mta.metrics import LISTENERS_BOUND
 from pigeon_mta.submission import replies
@@ -25,6 +29,15 @@ from pigeon_mta.submission.protocol import SMTPSession
 from pigeon_mta.submission.tls import listener_tls
 
 log = logging.getLogger("pigeon_mta.submission")
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """What a `feedback` listener asks: which domains are return paths, and whom to wake."""
+
+    return_paths: ReturnPaths
+    poke: Callable[[], None]
+
 
 # How often stop() looks whether the sessions with a commit under way have finished.
 _DRAIN_POLL = 0.05
@@ -38,12 +51,15 @@ class SubmissionService:
         settings: Settings,
         pool: asyncpg.Pool,
         intake: Intake | None = None,
+        *,
+        feedback: Feedback | None = None,
     ) -> None:
         """`intake`: the process's (app.py), shared with the HTTP API; one of the listeners' own
-        (`Intake.of`) when not given."""
+        (`Intake.of`) when not given. `feedback`: what `feedback` listeners need (app.py)."""
         self.settings = settings
         self.pool = pool
         self.intake = intake or Intake.of(settings, pool)
+        self.feedback = feedback
         self.authenticator = Authenticator(pool, settings.limits)
         self.connections = ConnectionCounter(settings.limits.max_connections_per_ip)
         self.trusted_networks = tuple(
@@ -77,7 +93,16 @@ class SubmissionService:
             trusted_networks=self.trusted_networks,
             intake=self.intake,
         )
-        handler = SubmissionHandler(ctx)
+        handler: SubmissionHandler | FeedbackHandler = SubmissionHandler(ctx)
+        if listener.mode == "feedback":
+            if self.feedback is None:
+                raise RuntimeError(f"listener {listener.name}: feedback mode needs a processor")
+            handler = FeedbackHandler(
+                ctx,
+                self.feedback.return_paths,
+                self.settings.bounces.complaint_addresses,
+                self.feedback.poke,
+            )
         try:
             server = await loop.create_server(
                 lambda: SMTPSession(handler, ctx),
