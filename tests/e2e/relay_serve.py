@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -41,6 +42,11 @@ class Relay:
         return f"http://127.0.0.1:{self.api_port}"
 
 
+def _key(name: str) -> str:
+    """A key as TOML writes it: bare when it may be, else quoted ("dest.test")."""
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
+
+
 def _toml(value: str | int | float | bool) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -59,10 +65,11 @@ def relay_config(
     tls: ServerTLS | None = None,
     api_port: int | None = None,
     tables: Mapping[str, Table] | None = None,
+    listeners: Sequence[Table] = (),
 ) -> Path:
     """The config: one `submission` listener on `submission_port` (its certificate `tls`, else the
-    self-signed one) or none, the API on `api_port` or none, mail to `relayhost`, no delivery log;
-    `tables` adds keys to these tables or adds tables."""
+    self-signed one) or none, and `listeners`; the API on `api_port` or none, mail to
+    `relayhost`, no delivery log; `tables` adds keys to these tables or adds tables."""
     listener: dict[str, str | int | float | bool] = {}
     if submission_port is not None:
         listener = {
@@ -87,13 +94,14 @@ def relay_config(
     }
     for name, keys in (tables or {}).items():
         merged.setdefault(name, {}).update(keys)
-    lines = [] if listener else ["listener = []"]
+    every = [listener, *listeners] if listener else list(listeners)
+    lines = [] if every else ["listener = []"]
     for name, keys in merged.items():
         lines.append(f"[{name}]")
-        lines.extend(f"{key} = {_toml(value)}" for key, value in keys.items())
-    if listener:
+        lines.extend(f"{_key(key)} = {_toml(value)}" for key, value in keys.items())
+    for one in every:
         lines.append("[[listener]]")
-        lines.extend(f"{key} = {_toml(value)}" for key, value in listener.items())
+        lines.extend(f"{_key(key)} = {_toml(value)}" for key, value in one.items())
     return write_config(directory, "\n".join(lines) + "\n")
 
 
@@ -120,6 +128,7 @@ async def relay_serve(
     ready: Sequence[str] = ("ready",),
     sink: SinkState | None = None,
     setup: Sequence[Sequence[str]] = (),
+    listeners: Sequence[Table] = (),
 ) -> AsyncIterator[Relay]:
     """Org `acme` with `domain` (and `user`, (name, password), when given; then the `setup`
     commands, their output in `prepared`), a sink, and serve with
@@ -140,6 +149,7 @@ async def relay_serve(
             submission_port=submission_port,
             tls=tls,
             api_port=api_port,
+            listeners=listeners,
             tables={
                 **(tables or {}),
                 "server": {"processes": processes, **(tables or {}).get("server", {})},

@@ -113,9 +113,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def start_postfix(settings: dict[str, str]) -> PostfixClient:
+def start_postfix(settings: dict[str, str], *, smtpd: str | None = None) -> PostfixClient:
     """Write main.cf (Postfix defaults plus `settings`) and master.cf into a fresh directory and
-    start the instance. Needs root (the daemons drop to the `postfix` user)."""
+    start the instance. Needs root (the daemons drop to the `postfix` user). `smtpd`: an address
+    ("127.0.0.1:2526") Postfix's SMTP server listens on, for an instance that plays a
+    destination's MX (`start_postfix_mx`); none by default."""
     # Not under pytest's tmp_path: that is 0700 root, and the unprivileged daemons must reach
     # their queue. mkdtemp gives a private name; the tree is opened to the `postfix` user only.
     root = Path(tempfile.mkdtemp(prefix="pigeon-postfix-"))
@@ -147,7 +149,11 @@ def start_postfix(settings: dict[str, str]) -> PostfixClient:
         **settings,
     }
     (config_dir / "main.cf").write_text("".join(f"{k} = {v}\n" for k, v in main.items()))
-    (config_dir / "master.cf").write_text(MASTER_CF)
+    master = MASTER_CF
+    if smtpd is not None:
+        master += f"{smtpd}  inet  n       -       n       -       -       smtpd\n"
+        master += "local     unix  -       n       n       -       -       local\n"
+    (config_dir / "master.cf").write_text(master)
     client = PostfixClient(root, config_dir, queue_dir, log_file)
     result = subprocess.run(
         [postfix_tool("postfix"), "-c", str(config_dir), "start"],
@@ -161,3 +167,34 @@ def start_postfix(settings: dict[str, str]) -> PostfixClient:
         client.stop()
         raise AssertionError(f"postfix did not start:\n{result.stdout}{result.stderr}{log}")
     return client
+
+
+def start_postfix_mx(
+    address: str, *, domain: str, known: list[str], bounces_to: str
+) -> PostfixClient:
+    """A Postfix that plays `domain`'s MX as corporate gateways do: it takes every recipient of
+    the domain at RCPT (no recipient check: empty local_recipient_maps), delivers the `known`
+    ones (discarded), and hands the others to local(8), which finds no such user (no alias, no
+    account: pick names this machine has no account of) and bounces them, with a DSN of its own
+    (RFC 3464) sent to the message's envelope sender through `bounces_to` ("[127.0.0.1]:port")."""
+    known_map = ", ".join(f"{a}=discard:" for a in known)
+    return start_postfix(
+        {
+            "myhostname": f"mx.{domain}",
+            "mydomain": domain,
+            "myorigin": "$myhostname",
+            "mydestination": domain,
+            "mynetworks": "127.0.0.0/8",
+            "local_recipient_maps": "",
+            "transport_maps": f"inline:{{{known_map}}}" if known else "",
+            "local_transport": "local",
+            "alias_maps": "",
+            "alias_database": "",
+            "mailbox_command": "",
+            "relayhost": bounces_to,
+            "smtputf8_enable": "no",
+            "smtpd_tls_security_level": "none",
+            "smtp_tls_security_level": "none",
+        },
+        smtpd=address,
+    )
