@@ -116,7 +116,9 @@ async def test_a_postfix_mx_bounces_later_and_pigeon_suppresses_the_address(
     # its own VERP address, and sent its DSN to the one that bounced.
     senders = re.findall(r"from=<(b-[a-z2-7]{40}@bounces\.acme\.example)>", postfix_log)
     assert len(set(senders)) == 2, postfix_log
-    assert re.search(r"to=<gone@dest\.test>.*status=bounced \(unknown user", postfix_log), postfix_log
+    assert re.search(r"to=<gone@dest\.test>.*status=bounced \(unknown user", postfix_log), (
+        postfix_log
+    )
     assert re.search(r"to=<b-[a-z2-7]{40}@bounces\.acme\.example>.*status=sent", postfix_log)
     # The story: delivered, then bounced later, by the feedback the DSN was kept as.
     [kept] = feedback
