@@ -7,7 +7,8 @@
 With --route mx the engine finds the sink by MX lookup instead of through `delivery.relayhost`:
 sink.test MX mx.sink.test, A 127.0.0.2, served by a loopback DNS server (tests/peers/dns_server.py)
 in this process; the answers' TTL outlasts the run, so the workers' resolver cache answers all but
-the first lookup. With --sink-dump smtp-sink appends every message to a file.
+the first lookup. With --sink-dump smtp-sink appends every message to a file. With --return-path
+every message leaves from a VERP address at a return-path domain (feedback/return_paths.py).
 
 Phase 1 (capacity): smtp-source sends --messages over reused connections as fast as pigeon takes
 them; reported: accept rate (messages / time until smtp-source finished), end-to-end rate (messages /
@@ -19,7 +20,7 @@ the 250). Also: peak RSS per pigeon process. Bounded in count and time; loopback
 
     .venv/bin/python bench/e2e.py [--messages 20000] [--processes 2] [--dkim rsa|ed25519|none]
         [--route relayhost|mx] [--sink-dump] [--duplicate-window W] [--concurrency N]
-        [--destination-concurrency N] [--max-connections-per-host N]
+        [--destination-concurrency N] [--max-connections-per-host N] [--return-path]
 """
 
 from __future__ import annotations
@@ -354,6 +355,11 @@ async def main() -> None:
         help="report phase 1's N costliest statements per message (the server must load "
         "pg_stat_statements), WAL and rows written per table",
     )
+    parser.add_argument(
+        "--return-path",
+        action="store_true",
+        help="[bounces] return_path_domain set: every message leaves from its own VERP address",
+    )
     parser.add_argument("--concurrency", type=int, help="delivery.concurrency")
     parser.add_argument("--destination-concurrency", dest="destination_concurrency", type=int)
     parser.add_argument("--max-connections-per-host", dest="max_connections_per_host", type=int)
@@ -372,6 +378,7 @@ async def main() -> None:
     relay_port, sink_port, metrics_port = free_port(), free_port(), free_port()
     dns = await DnsServer().start() if args.route == "mx" else None
     config = work / "pigeon.toml"
+    bounces = '[bounces]\nreturn_path_domain = "bounces.bench.test"\n' if args.return_path else ""
     write_config(
         config,
         f"""
@@ -388,7 +395,7 @@ address = "127.0.0.1:{relay_port}"
 mode = "relay"
 [relay]
 trusted_networks = ["127.0.0.0/8"]
-{route_config(args.route, sink_port, dns, delivery_tuning(args))}{limits_config(args)}[metrics]
+{route_config(args.route, sink_port, dns, delivery_tuning(args))}{limits_config(args)}{bounces}[metrics]
 listen = "127.0.0.1:{metrics_port}"
 [log]
 delivery_log = "{work / "delivery.log" if args.delivery_log == "file" else ""}"
