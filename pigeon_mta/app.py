@@ -135,27 +135,17 @@ async def worker_services(
     from pigeon_mta.submission.service import Feedback, SubmissionService
     from pigeon_mta.webhooks.sender import WebhookSender
 
-    # The pools close in reverse order, each whatever happens to the other.
-    async with contextlib.AsyncExitStack() as pools:
-        pool = await store_connect.create_pool(url, settings)
-        pools.push_async_callback(pool.close)
-        commit_pool = await store_connect.commit_pool(url, settings)
-        pools.push_async_callback(commit_pool.close)
-        record_pool = None
-        if settings.delivery.enabled:
-            record_pool = await store_connect.record_pool(url, settings)
-            pools.push_async_callback(record_pool.close)
+    async with contextlib.AsyncExitStack() as stack:
+        pools = await store_connect.worker_pools(url, settings, stack)
+        pool, commit_pool, record_pool = pools.main, pools.commits, pools.records
         delivery_log = DeliveryLog.from_settings(settings)
         signer = DkimSigner.from_settings(pool, settings)
         # One waker per process: the engine waits on it; LISTEN brings mail queued elsewhere. The
-        # listeners' group commit hands this engine the mail it has room for (no claim, no
-        # wake-up); after a commit that queued mail for a claim it wakes it (NotifySender.poke),
-        # which also sends one coalesced NOTIFY for the other processes and nodes when this
-        # engine cannot take all.
+        # group commit hands this engine what it has room for, else wakes it (NotifySender.poke,
+        # with one coalesced NOTIFY for the others when this engine cannot take all).
         waker = QueueWaker(lambda: store_connect.connect(url, settings))
-        # The webhook sender takes the events of this process's recorded outcomes straight
-        # from the record (outbound/recorder.py), and claims from the outbox only what others
-        # wrote or left there.
+        # Handed the events of this process's outcomes by the record (outbound/recorder.py), it
+        # claims from the outbox only what others wrote or left there.
         webhooks = WebhookSender(settings.webhooks, pool)
         # Return-path domains and VERP keys: the engine's envelope senders, the feedback
         # listeners' domains (feedback/return_paths.py).
@@ -197,11 +187,10 @@ async def worker_services(
             on_queued=notifier.poke,
             delivery_log=delivery_log,
         )
-        feedback = None
-        if return_paths.verifies:  # a feedback listener: its processor reads what it keeps
-            processor = FeedbackProcessor(pool, return_paths)
-            services.append(processor)
-            feedback = Feedback(return_paths, processor.poke)
+        # With a feedback listener, a processor reads what it keeps (feedback/processor.py).
+        processor = FeedbackProcessor.of(settings, pool, return_paths)
+        services.extend([processor] if processor else [])
+        feedback = Feedback(return_paths, processor.poke) if processor else None
         services.append(SubmissionService(settings, pool, intake, feedback=feedback))
         if settings.api.listen is not None:
             services.append(ApiService(settings, pool, intake))

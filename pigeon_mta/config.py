@@ -348,6 +348,10 @@ class BounceSettings:
     # How long a retired VERP key still verifies the tokens it signed (`feedback rotate-key`):
     # reports arrive days after the mail, complaints weeks.
     feedback_max_age: Duration = Duration(30 * 86400)
+    # Tell the original envelope sender of a recipient that a report bounced after delivery,
+    # with a DSN of pigeon's own (RFC 3464), as for a synchronous bounce: for applications that
+    # read DSNs rather than webhooks. Off: the `bounced` webhook event and the log tell.
+    forward_to_sender: bool = False
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,10 @@
 A batch of unread feedback messages is taken FOR UPDATE SKIP LOCKED (each worker process runs
 one; two never take the same message), their reports read off the event loop
 (feedback/parse.py), matched to the recipients they name (feedback/apply.py) and recorded with
-what became of each message, all in the transaction that took them (store/feedback.py): a
-processor that dies half-way leaves them unread for the next. The listener of this process wakes
+what became of each message, all in the transaction that took them (store/feedback.py), with,
+under `[bounces] forward_to_sender`, a DSN to the original sender of each recipient a report
+bounced (dsn_queue.py, as for a synchronous bounce): a processor that dies half-way leaves them
+unread for the next. The listener of this process wakes
 it after each message it keeps; it also looks every `poll` seconds for what others kept.
 """
 
@@ -16,6 +18,8 @@ import logging
 
 import asyncpg
 
+from pigeon_mta.config import Settings
+from pigeon_mta.dsn_queue import queue_bounces
 from pigeon_mta.feedback.apply import Read, match
 from pigeon_mta.feedback.parse import read_report
 from pigeon_mta.feedback.return_paths import ReturnPaths
@@ -40,14 +44,28 @@ class FeedbackProcessor:
         *,
         batch: int = BATCH,
         poll: float = POLL,
+        forward_to: str | None = None,
     ) -> None:
+        """`forward_to`: the host name DSNs come from, to tell the original senders of the
+        recipients a report bounced (`[bounces] forward_to_sender`); None tells nobody."""
         self.pool = pool
+        self.forward_to = forward_to
         self.return_paths = return_paths
         self.batch = batch
         self.poll = poll
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+
+    @classmethod
+    def of(
+        cls, settings: Settings, pool: asyncpg.Pool, return_paths: ReturnPaths
+    ) -> FeedbackProcessor | None:
+        """The processor of a worker whose node has a feedback listener, else None."""
+        if not return_paths.verifies:
+            return None
+        forward = settings.server.hostname if settings.bounces.forward_to_sender else None
+        return cls(pool, return_paths, forward_to=forward)
 
     def poke(self) -> None:
         """Something was kept: read it now."""
@@ -101,6 +119,10 @@ class FeedbackProcessor:
                 [e for f in found for e in f.events],
                 [f.outcome for f in found],
             )
+            forwarded = []
+            if self.forward_to is not None and recorded.moved:
+                # In the same transaction, as for a bounce the engine records (dsn_queue.py).
+                forwarded = await queue_bounces(conn, recorded.moved, hostname=self.forward_to)
         for f in found:
             FEEDBACK.labels(kind=f.outcome.kind or "unknown", outcome=f.outcome.status).inc()
             log.info(
@@ -108,9 +130,11 @@ class FeedbackProcessor:
             )
         if recorded.events:
             log.info(
-                "feedback: %d event(s), %d recipient(s) now bounced, %d address(es) suppressed",
+                "feedback: %d event(s), %d recipient(s) now bounced, %d address(es) suppressed, "
+                "%d DSN(s) to their senders",
                 recorded.events,
-                recorded.moved,
+                len(recorded.moved),
                 recorded.suppressed,
+                len(forwarded),
             )
         return len(unread)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +132,29 @@ async def record_pool(url: str, settings: Settings) -> asyncpg.Pool:
     planned at every call, the record's planning cost PostgreSQL as much as its execution
     (bench/README.md "End to end")."""
     return await create_pool(url, settings, size=2, by_key=True)
+
+
+@dataclass(frozen=True)
+class WorkerPools:
+    main: asyncpg.Pool
+    commits: asyncpg.Pool  # commit_pool
+    records: asyncpg.Pool | None  # record_pool, when the worker delivers
+
+
+async def worker_pools(
+    url: str, settings: Settings, stack: contextlib.AsyncExitStack
+) -> WorkerPools:
+    """A worker process's pools, each closed by `stack` (in reverse order, each whatever happens
+    to the others)."""
+    pools: list[asyncpg.Pool | None] = []
+    for make in (create_pool, commit_pool, record_pool if settings.delivery.enabled else None):
+        pool = await make(url, settings) if make is not None else None
+        if pool is not None:
+            stack.push_async_callback(pool.close)
+        pools.append(pool)
+    main, commits, records = pools
+    assert main is not None and commits is not None
+    return WorkerPools(main, commits, records)
 
 
 async def _keep_session(_conn: asyncpg.Connection) -> None:

@@ -235,7 +235,8 @@ UPDATE feedback f
 SET status = o.status, kind = o.kind, detail = o.detail, processed_at = now()
 FROM unnest($12::uuid[], $13::text[], $14::text[], $15::text[]) AS o (id, status, kind, detail)
 WHERE f.id = o.id
-RETURNING f.id, (SELECT count(*) FROM e) AS events, (SELECT count(*) FROM moved) AS moved,
+RETURNING f.id, (SELECT count(*) FROM e) AS events,
+          (SELECT array_agg(id) FROM moved) AS moved,
           (SELECT count(*) FROM suppressed) AS suppressed
 """
 
@@ -243,7 +244,7 @@ RETURNING f.id, (SELECT count(*) FROM e) AS events, (SELECT count(*) FROM moved)
 @dataclass(frozen=True)
 class Recorded:
     events: int  # new events (a repeat's are not)
-    moved: int  # delivered recipients now bounced
+    moved: list[uuid.UUID]  # the delivered recipients now bounced
     suppressed: int
 
 
@@ -251,7 +252,7 @@ async def record(db: Executor, events: Sequence[Event], outcomes: Sequence[Outco
     """Record a batch's events and outcomes in one statement (call it in the transaction that
     took the messages)."""
     if not outcomes:
-        return Recorded(0, 0, 0)
+        return Recorded(0, [], 0)
     rows = await db.fetch(
         _RECORD,
         new_ids(len(events)),
@@ -271,9 +272,9 @@ async def record(db: Executor, events: Sequence[Event], outcomes: Sequence[Outco
         [o.detail for o in outcomes],
     )
     if not rows:
-        return Recorded(0, 0, 0)
+        return Recorded(0, [], 0)
     first = rows[0]
-    return Recorded(int(first["events"]), int(first["moved"]), int(first["suppressed"]))
+    return Recorded(int(first["events"]), list(first["moved"] or []), int(first["suppressed"]))
 
 
 # ---------------------------------------------------------------- reading back

@@ -288,3 +288,29 @@ async def test_a_manual_suppression_stays_as_the_operator_left_it(world: World) 
     await world.processor.process()
     entry = await world.suppressed(world.acme, "kept@dest.test")
     assert entry is not None and (entry["source"], entry["reason"]) == ("manual", "asked by phone")
+
+
+async def test_forward_to_sender_queues_a_dsn_for_what_a_report_bounced(world: World) -> None:
+    queue_id, rid = await world.sent("gone@dest.test")
+    _q, full = await world.sent("full@dest.test")
+    forwarding = FeedbackProcessor(world.pool, world.paths, forward_to="mta.test")
+    verp, verp_full = world.verp(rid), world.verp(full)
+    await world.keep(reports.dsn(to=verp, recipient="gone@dest.test"), to=verp)
+    body = reports.dsn(
+        to=verp_full,
+        recipient="full@dest.test",
+        status="5.2.2",
+        report_id="full@mx",
+        diagnostic="smtp; 552 5.2.2 <{recipient}>: Mailbox full",
+    )
+    await world.keep(body, to=verp_full)
+    await forwarding.process()
+    # One DSN, from the null sender to the original's sender, about the hard bounce only.
+    [dsn] = await world.pool.fetch(
+        "SELECT m.sender, m.listener, r.address, convert_from(m.body, 'UTF8') AS body"
+        " FROM message m JOIN recipient r ON r.message_id = m.id WHERE m.listener = 'bounce'"
+    )
+    assert (dsn["sender"], dsn["address"]) == ("", "app@acme.example")
+    assert "gone@dest.test" in dsn["body"] and "full@dest.test" not in dsn["body"]
+    assert f"X-Pigeon-Queue-ID: {queue_id}" in dsn["body"]
+    assert "Status: 5.1.1" in dsn["body"]
