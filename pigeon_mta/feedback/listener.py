@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from aiosmtpd.smtp import Envelope, Session, TLSSetupException
+from aiosmtpd.smtp import Envelope, Session
 
 from pigeon_mta.feedback.return_paths import ReturnPaths
 from pigeon_mta.intake.addresses import AddressProblem, Mailbox, parse_mailbox
@@ -23,7 +23,7 @@ from pigeon_mta.store import feedback as store_feedback
 from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.submission import replies
 from pigeon_mta.submission.context import ListenerContext, conversation
-from pigeon_mta.submission.handler import NULL_SENDER_MARK, names_with_prefixes
+from pigeon_mta.submission.handler import NULL_SENDER_MARK, exception_reply, names_with_prefixes
 
 log = logging.getLogger("pigeon_mta.feedback")
 
@@ -123,8 +123,4 @@ class FeedbackHandler:
         return KEPT.format(feedback_id=feedback_id)
 
     async def handle_exception(self, error: Exception) -> str:
-        if isinstance(error, TLSSetupException):
-            log.info("TLS handshake failed: %s", error.__cause__ or error)
-            return replies.TLS_FAILED
-        log.error("unexpected error in a feedback session", exc_info=error)
-        return replies.LOCAL_ERROR
+        return exception_reply(error, "a feedback session")

@@ -158,11 +158,17 @@ class SubmissionHandler:
     # ------------------------------------------------------------ errors
 
     async def handle_exception(self, error: Exception) -> str:
-        if isinstance(error, TLSSetupException):
-            log.info("TLS handshake failed: %s", error.__cause__ or error)
-            return replies.TLS_FAILED
-        log.error("unexpected error in an SMTP session", exc_info=error)
-        return replies.LOCAL_ERROR
+        return exception_reply(error, "an SMTP session")
+
+
+def exception_reply(error: Exception, where: str) -> str:
+    """The reply to an error aiosmtpd caught in a session: a failed TLS handshake is the client's
+    trouble (logged as information); anything else is logged with its traceback."""
+    if isinstance(error, TLSSetupException):
+        log.info("TLS handshake failed: %s", error.__cause__ or error)
+        return replies.TLS_FAILED
+    log.error("unexpected error in %s", where, exc_info=error)
+    return replies.LOCAL_ERROR
 
 
 _NAMES: dict[tuple[type, tuple[str, ...]], list[str]] = {}
