@@ -355,6 +355,22 @@ class BounceSettings:
 
 
 @dataclass(frozen=True)
+class ReputationSettings:
+    # The rolling window the rates are taken over (counted per hour: up to an hour more).
+    window: Duration = Duration(86400)
+    # An org whose hard bounces (at once or reported later) reach this share of its sent mail
+    # over the window is paused: its mail stays queued, not attempted, until `org resume`.
+    # 0 never pauses for bounces.
+    pause_bounce_rate: float = 0.10
+    # The same for complaints (feedback-loop reports); the providers' published limit is 0.3%
+    # to 0.5%. 0 never pauses for complaints.
+    pause_complaint_rate: float = 0.005
+    # Fewer recipients sent over the window never pause an org (a few bounces of little mail
+    # say nothing).
+    min_volume: int = 200
+
+
+@dataclass(frozen=True)
 class WebhookSettings:
     # An event is retried (with backoff and jitter) until it is this old; then it is marked
     # failed, and `pigeon-mta webhook list` counts it.
@@ -436,6 +452,7 @@ class Settings:
     api: ApiSettings = field(default_factory=ApiSettings)
     retention: RetentionSettings = field(default_factory=RetentionSettings)
     bounces: BounceSettings = field(default_factory=BounceSettings)
+    reputation: ReputationSettings = field(default_factory=ReputationSettings)
     log: LogSettings = field(default_factory=LogSettings)
     webhooks: WebhookSettings = field(default_factory=WebhookSettings)
     # Reply rules ([[shaping.rule]], config_shaping.py).

@@ -1,4 +1,5 @@
-"""Queue maintenance, one set per node: the lease sweeper, expiry, delay warnings, retention, stats.
+"""Queue maintenance, one set per node: the lease sweeper, expiry, delay warnings, retention, the
+orgs' reputation (reputation.py), stats.
 
 Cheap periodic queries that the supervisor runs beside the worker processes. What follows from them
 comes in as hooks: the queue gauges, and the delivery-log records of expiries (`log_expiries`).
@@ -21,7 +22,7 @@ from typing import Any
 
 import asyncpg
 
-from pigeon_mta import dsn_queue, metrics
+from pigeon_mta import dsn_queue, metrics, reputation
 from pigeon_mta.config import Settings
 from pigeon_mta.delivery_log import DeliveryLog
 from pigeon_mta.store import duplicates as store_duplicates
@@ -85,7 +86,13 @@ class Maintenance:
 
     async def sweep_once(self) -> None:
         """One round of every task; a database that is away stops it (raised)."""
-        tasks = (self._requeue_lost_leases, self._expire, self._warn_delayed, self._purge)
+        tasks = (
+            self._requeue_lost_leases,
+            self._expire,
+            self._warn_delayed,
+            self._purge,
+            self._reputation,
+        )
         # Named as pigeon_maintenance_failures_total{task} names them (created at 0 at start).
         for name, task in zip(metrics.MAINTENANCE_TASKS, tasks, strict=True):
             await self._task(name, task)
@@ -98,6 +105,9 @@ class Maintenance:
                 raise
             metrics.MAINTENANCE_FAILURES.labels(task=name).inc()
             log.exception("queue maintenance: %s failed; the round goes on", name)
+
+    async def _reputation(self) -> None:
+        await reputation.evaluate(self.pool, self.settings)
 
     async def _requeue_lost_leases(self) -> None:
         requeued = await store_leases.requeue_expired_leases(self.pool)

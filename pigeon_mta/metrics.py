@@ -135,6 +135,19 @@ FEEDBACK = Counter(
     ["kind", "outcome"],
 )
 
+ORG_BOUNCE_RATE = Gauge(
+    "pigeon_org_bounce_rate",
+    "An org's hard bounces (at once or reported later) per recipient sent over [reputation] window",
+    ["org"],
+    multiprocess_mode="mostrecent",
+)
+ORG_COMPLAINT_RATE = Gauge(
+    "pigeon_org_complaint_rate",
+    "An org's complaints per recipient sent over [reputation] window",
+    ["org"],
+    multiprocess_mode="mostrecent",
+)
+
 # ---------------------------------------------------------------- webhooks
 WEBHOOK_DELIVERIES = Counter(
     "pigeon_webhook_deliveries",
@@ -213,7 +226,7 @@ WEBHOOK_OUTCOMES = ("delivered", "retried", "failed")
 DKIM_UNSIGNED_REASONS = ("no_key", "no_from_domain", "malformed")
 RECORD_FAILURE_STEPS = ("database", "isolated", "without_notices", "dropped")
 DSN_FAILURE_STEPS = ("plain", "skipped", "refused")
-MAINTENANCE_TASKS = ("requeue_lost_leases", "expire", "warn_delayed", "purge")
+MAINTENANCE_TASKS = ("requeue_lost_leases", "expire", "warn_delayed", "purge", "reputation")
 
 
 def start_at_zero(listeners: Iterable[str]) -> None:

@@ -1,4 +1,4 @@
-"""`org add`, `org list`, `org set`, `org remove`."""
+"""`org add`, `org list`, `org show`, `org set`, `org pause`, `org resume`, `org remove`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import asyncpg
 
 from pigeon_mta.commands.common import CliError, add_common, open_database, print_object, print_rows
 from pigeon_mta.store import orgs as store_orgs
+from pigeon_mta.store import reputation as store_reputation
+from pigeon_mta.store import suspensions
 
 MAX_ORG_NAME = 100
 
@@ -33,6 +35,19 @@ def register(sub: Any) -> None:
         help="messages per second the org sends, all its nodes and processes together (0 = none)",
     )
     p.set_defaults(handler=cmd_set)
+    p = org.add_parser("show", help="an org, its bounce and complaint rates, whether it is paused")
+    add_common(p)
+    p.add_argument("name")
+    p.set_defaults(handler=cmd_show)
+    p = org.add_parser("pause", help="stop attempting the org's mail until `org resume`")
+    add_common(p)
+    p.add_argument("name")
+    p.add_argument("--reason", default="paused by an operator", help="shown by queue and log")
+    p.set_defaults(handler=cmd_pause)
+    p = org.add_parser("resume", help="attempt the mail of a paused org again")
+    add_common(p)
+    p.add_argument("name")
+    p.set_defaults(handler=cmd_resume)
     p = org.add_parser(
         "remove",
         help="delete an org with its users, domains, DKIM keys, suppression list and mail",
@@ -85,6 +100,61 @@ def parse_rate(text: str) -> float:
     if not math.isfinite(rate) or rate < 0 or rate > 1e9:
         raise CliError(f"--rate: {text!r} must be 0 (no limit) or a positive number up to 1e9")
     return rate
+
+
+async def cmd_show(args: argparse.Namespace) -> int:
+    async with open_database(args) as (settings, conn):
+        org = await _org(conn, args.name)
+        [rates] = await store_reputation.rates(
+            conn, window=settings.reputation.window, org_id=org.id
+        )
+    reputation = settings.reputation
+    print_object(
+        args,
+        {
+            "org": rates.org,
+            "id": rates.org_id,
+            "window": store_reputation.window_text(reputation.window),
+            "sent": rates.sent,
+            "hard_bounces": rates.bounced,
+            "bounce_rate": round(rates.bounce_rate, 6),
+            "complaints": rates.complained,
+            "complaint_rate": round(rates.complaint_rate, 6),
+            "pause_bounce_rate": reputation.pause_bounce_rate,
+            "pause_complaint_rate": reputation.pause_complaint_rate,
+            "paused": rates.paused,
+            "resumed_at": rates.resumed_at,
+        },
+    )
+    return 0
+
+
+async def cmd_pause(args: argparse.Namespace) -> int:
+    async with open_database(args) as (_settings, conn):
+        org = await _org(conn, args.name)
+        await suspensions.suspend(
+            conn, suspensions.ORG + str(org.id), reason=args.reason, seconds=None
+        )
+    print_object(args, {"org": org.name, "paused": args.reason})
+    return 0
+
+
+async def cmd_resume(args: argparse.Namespace) -> int:
+    async with open_database(args) as (_settings, conn):
+        org = await _org(conn, args.name)
+        ended = await suspensions.resume(conn, suspensions.ORG + str(org.id))
+        await store_reputation.mark_resumed(conn, org.id)
+    if not ended:
+        raise CliError(f"org '{org.name}' is not paused")
+    print_object(args, {"org": org.name, "resumed": True})
+    return 0
+
+
+async def _org(conn: asyncpg.Connection, name: str) -> store_orgs.Org:
+    org = await store_orgs.find_org(conn, name)
+    if org is None:
+        raise CliError(f"there is no org '{name}'")
+    return org
 
 
 async def cmd_set(args: argparse.Namespace) -> int:

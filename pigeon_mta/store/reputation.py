@@ -1,0 +1,150 @@
+"""A tenant's reputation in numbers: recipients sent, hard bounces and complaints per org and hour
+(table reputation_count, migration 0029), and the pauses they lead to (reputation.py decides).
+
+`count` adds what was recorded since the last count: attempts (delivered and bounced recipients;
+hard bounces are those whose category suppresses) found through a block-range index of their
+recording time, and feedback events (hard bounces reported later, complaints). It counts up to
+`LAG` seconds ago, since a transaction's rows carry its start time and may become visible later
+than younger ones; the mark row's lock keeps two nodes from counting one range. `rates` sums the
+hours of the window.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from pigeon_mta.store.executor import Executor, transaction
+from pigeon_mta.store.suspensions import ACTIVE, ORG
+
+
+def window_text(seconds: float) -> str:
+    """A window as `org show` and a pause's reason word it: 24h, 90m."""
+    hours = seconds / 3600
+    return f"{hours:g}h" if hours >= 1 else f"{seconds / 60:g}m"
+
+
+# Seconds behind now that counting stops: a record's transaction commits well within this.
+LAG = 60.0
+
+_COUNT = """
+WITH mark AS (SELECT counted_to FROM reputation_mark FOR UPDATE),
+upto AS (SELECT greatest(now() - make_interval(secs => $1), (SELECT counted_to FROM mark)) AS t),
+a AS (
+    SELECT org_id, date_trunc('hour', recorded_at) AS hour,
+           count(*) FILTER (WHERE outcome IN ('delivered', 'bounced')) AS sent,
+           count(*) FILTER (WHERE outcome = 'bounced' AND category = ANY ($2::text[])) AS bounced,
+           0::bigint AS complained
+    FROM attempt
+    WHERE recorded_at > (SELECT counted_to FROM mark) AND recorded_at <= (SELECT t FROM upto)
+      AND applied
+    GROUP BY 1, 2
+), f AS (
+    SELECT org_id, date_trunc('hour', recorded_at) AS hour, 0::bigint AS sent,
+           count(*) FILTER (WHERE kind = 'bounce' AND hard) AS bounced,
+           count(*) FILTER (WHERE kind = 'complaint') AS complained
+    FROM feedback_event
+    WHERE recorded_at > (SELECT counted_to FROM mark) AND recorded_at <= (SELECT t FROM upto)
+    GROUP BY 1, 2
+), n AS (
+    SELECT org_id, hour, sum(sent) AS sent, sum(bounced) AS bounced,
+           sum(complained) AS complained
+    FROM (SELECT * FROM a UNION ALL SELECT * FROM f) x
+    WHERE EXISTS (SELECT FROM org o WHERE o.id = x.org_id)
+    GROUP BY 1, 2
+), added AS (
+    INSERT INTO reputation_count AS c (org_id, hour, sent, bounced, complained)
+    SELECT org_id, hour, sent, bounced, complained FROM n
+    ON CONFLICT (org_id, hour) DO UPDATE
+    SET sent = c.sent + EXCLUDED.sent, bounced = c.bounced + EXCLUDED.bounced,
+        complained = c.complained + EXCLUDED.complained
+    RETURNING 1
+)
+UPDATE reputation_mark SET counted_to = (SELECT t FROM upto)
+RETURNING (SELECT count(*) FROM added) AS hours
+"""
+
+
+async def count(db: Executor, *, hard_categories: Sequence[str], lag: float = LAG) -> int:
+    """Count what was recorded since the last count (up to `lag` seconds ago); returns the
+    (org, hour) rows it added to. Old hours are deleted by `prune`."""
+    async with transaction(db) as conn:
+        row = await conn.fetchrow(_COUNT, float(lag), list(hard_categories))
+    return int(row["hours"]) if row is not None else 0
+
+
+async def prune(db: Executor, *, keep: float) -> int:
+    result = await db.execute(
+        "DELETE FROM reputation_count WHERE hour < now() - make_interval(secs => $1)", float(keep)
+    )
+    return int(result.split()[-1])
+
+
+@dataclass(frozen=True)
+class OrgRates:
+    org_id: uuid.UUID
+    org: str
+    sent: int
+    bounced: int
+    complained: int
+    paused: str | None  # the reason of the suspension of the org in force, if any
+    resumed_at: datetime | None
+
+    @property
+    def bounce_rate(self) -> float:
+        return self.bounced / self.sent if self.sent else 0.0
+
+    @property
+    def complaint_rate(self) -> float:
+        return self.complained / self.sent if self.sent else 0.0
+
+
+_RATES = f"""
+SELECT o.id, o.name, o.resumed_at,
+       COALESCE(sum(c.sent), 0)::bigint AS sent, COALESCE(sum(c.bounced), 0)::bigint AS bounced,
+       COALESCE(sum(c.complained), 0)::bigint AS complained,
+       (SELECT x.reason FROM suspension x WHERE x.key = '{ORG}' || o.id AND {ACTIVE}) AS paused
+FROM org o
+LEFT JOIN reputation_count c ON c.org_id = o.id AND c.hour > now() - make_interval(secs => $1)
+WHERE $2::uuid IS NULL OR o.id = $2
+GROUP BY o.id
+ORDER BY o.name
+"""
+
+
+async def rates(db: Executor, *, window: float, org_id: uuid.UUID | None = None) -> list[OrgRates]:
+    """Every org's counts over the last `window` seconds (whole hours), or one org's."""
+    rows = await db.fetch(_RATES, float(window), org_id)
+    return [
+        OrgRates(
+            r["id"],
+            r["name"],
+            r["sent"],
+            r["bounced"],
+            r["complained"],
+            r["paused"],
+            r["resumed_at"],
+        )
+        for r in rows
+    ]
+
+
+async def pause(db: Executor, org_id: uuid.UUID, reason: str) -> bool:
+    """Suspend the org's mail (kind 'reputation'), unless a suspension of it is in force;
+    whether it was paused now."""
+    result = await db.execute(
+        f"""INSERT INTO suspension AS x (key, until, reason, kind)
+            VALUES ('{ORG}' || $1::text, NULL, $2, 'reputation')
+            ON CONFLICT (key) DO UPDATE
+            SET until = NULL, reason = EXCLUDED.reason, kind = 'reputation', created_at = now()
+            WHERE NOT {ACTIVE}""",
+        str(org_id),
+        reason,
+    )
+    return result.endswith(" 1")
+
+
+async def mark_resumed(db: Executor, org_id: uuid.UUID) -> None:
+    await db.execute("UPDATE org SET resumed_at = now() WHERE id = $1", org_id)
