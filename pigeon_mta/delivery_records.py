@@ -19,7 +19,15 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from pigeon_mta.model import EVENT_TYPE, AttemptResult, Delivery, Envelope, Outcome, message_kind
+from pigeon_mta.model import (
+    COMPLAINT_EVENT,
+    EVENT_TYPE,
+    AttemptResult,
+    Delivery,
+    Envelope,
+    Outcome,
+    message_kind,
+)
 from pigeon_mta.store.duplicates import DuplicateRecord, Duplicates
 from pigeon_mta.store.events import AttemptRecord, MessageStory
 from pigeon_mta.store.feedback import RecordedEvent as FeedbackEvent
@@ -290,12 +298,11 @@ def story_records(story: MessageStory) -> list[Record]:
 # What a feedback event is in the log: a hard async bounce a Bounce, a soft one or a delay a
 # TransientFailure, a complaint a Complaint; each marked "async" (`pigeon-mta log` shows
 # "Bounce (async)").
-COMPLAINT = "Complaint"
 
 
 def feedback_record(header_message_id: str | None, sender: str, f: FeedbackEvent) -> Record:
     if f.kind == "complaint":
-        kind = COMPLAINT
+        kind = COMPLAINT_EVENT
     else:
         kind = EVENT_TYPE[Outcome.BOUNCED if f.kind == "bounce" and f.hard else Outcome.DEFERRED]
     return event_record(

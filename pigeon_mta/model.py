@@ -43,6 +43,9 @@ class Outcome(enum.StrEnum):
 
 
 # The delivery-log event type for each outcome (interface contract: `type` field).
+# A complaint report about a recipient (feedback/), in the log and the API's timeline.
+COMPLAINT_EVENT = "Complaint"
+
 EVENT_TYPE = {
     Outcome.DELIVERED: "Delivery",
     Outcome.DEFERRED: "TransientFailure",

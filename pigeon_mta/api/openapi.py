@@ -12,7 +12,7 @@ from typing import Any
 from pigeon_mta import __version__
 from pigeon_mta.api import problems, reading, suppressions
 from pigeon_mta.api.compose import ATTACHMENT_FIELDS, JSON_FIELDS
-from pigeon_mta.model import EVENT_TYPE, Outcome
+from pigeon_mta.model import COMPLAINT_EVENT, EVENT_TYPE, Outcome
 from pigeon_mta.store import message_pages
 from pigeon_mta.store import suppression as store_suppression
 from pigeon_mta.store import webhooks as store_webhooks
@@ -209,6 +209,7 @@ _EVENT: dict[str, Any] = {
                 "Reception",
                 "Duplicate",
                 *(EVENT_TYPE[outcome] for outcome in Outcome),
+                COMPLAINT_EVENT,
             ],
         },
         "timestamp": _TIME,
@@ -230,9 +231,8 @@ _EVENT: dict[str, Any] = {
 # A webhook request's body (store/webhooks.py `event_payload`); README "Webhooks" says more.
 _WEBHOOK_EVENT: dict[str, Any] = {
     "type": "object",
-    "description": "what happened to a recipient of the org's mail. `complained` is reserved "
-    "for complaint reports (ARF, from feedback loops), which pigeon-mta does not process: no "
-    "event of that type is sent",
+    "description": "what happened to a recipient of the org's mail: an outcome, or what feedback "
+    "said later (`bounced` with `async`: a DSN after delivery; `complained`: a complaint report)",
     "required": ["type", "timestamp", "data"],
     "properties": {
         "type": {"type": "string", "enum": list(store_webhooks.EVENT_TYPES)},
@@ -260,8 +260,16 @@ _WEBHOOK_EVENT: dict[str, Any] = {
                 "enhanced_code": {"type": ["string", "null"]},
                 "response": {"type": ["string", "null"]},
                 "category": {"type": ["string", "null"]},
-                "attempt": {"type": "integer", "description": "the recipient's delivery attempt"},
+                "attempt": {
+                    "type": ["integer", "null"],
+                    "description": "the recipient's delivery attempt; null for feedback",
+                },
                 "kind": _KIND,
+                "async": {"type": "boolean", "description": "reported by feedback, later"},
+                "feedback_type": {
+                    "type": ["string", "null"],
+                    "description": "a complaint's Feedback-Type (RFC 5965): abuse, fraud, ...",
+                },
             },
         },
     },
@@ -361,7 +369,14 @@ _SUPPRESSION: dict[str, Any] = {
     "properties": {
         "address": {"type": "string", "description": "lower case"},
         "reason": {"type": "string"},
-        "source": {"type": "string", "enum": [store_suppression.MANUAL, store_suppression.BOUNCE]},
+        "source": {
+            "type": "string",
+            "enum": [
+                store_suppression.MANUAL,
+                store_suppression.BOUNCE,
+                store_suppression.COMPLAINT,
+            ],
+        },
         "created_at": _TIME,
         "expires_at": _NULLABLE_TIME,
     },

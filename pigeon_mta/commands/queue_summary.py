@@ -13,6 +13,7 @@ from typing import Any
 from pigeon_mta.commands import suspend
 from pigeon_mta.commands.common import format_age, jsonable, open_database, print_rows, text_cell
 from pigeon_mta.store import budgets as store_budgets
+from pigeon_mta.store import reputation as store_reputation
 from pigeon_mta.store import suspensions
 from pigeon_mta.store.queue_summary import QueueSummary, queue_summary
 
@@ -24,11 +25,14 @@ async def cmd_summary(args: argparse.Namespace) -> int:
         summary = await queue_summary(conn, top=args.top, exact=args.exact)
         budgets = await store_budgets.list_budgets(conn)
         suspended = await suspensions.list_suspensions(conn)
+        orgs = await store_reputation.rates(conn, window=settings.reputation.window)
     lanes = lane_rows(summary, settings.lanes)
+    reputation = [reputation_row(r) for r in orgs if r.sent or r.paused]
     if args.json:
         data = {**summary_object(summary), "lanes": lanes}
         data["budgets"] = [dataclasses.asdict(b) for b in budgets]
         data["suspensions"] = [dataclasses.asdict(s) for s in suspended]
+        data["reputation"] = reputation
         print(json.dumps(jsonable(data), indent=2))
         return 0
     print_rows(args, summary_rows(summary), ["status", "recipients"])
@@ -67,7 +71,28 @@ async def cmd_summary(args: argparse.Namespace) -> int:
     if suspended:
         print()
         suspend.print_suspensions(args, suspended)
+    if reputation:
+        print()
+        window = store_reputation.window_text(settings.reputation.window)
+        print(f"reputation over {window}:")
+        print_rows(args, reputation, REPUTATION_COLUMNS)
     return 0
+
+
+REPUTATION_COLUMNS = ["org", "sent", "bounce_rate", "complaint_rate", "paused"]
+
+
+def reputation_row(r: store_reputation.OrgRates) -> dict[str, Any]:
+    """An org's rates over the window (reputation.py), as `queue` shows them."""
+    return {
+        "org": r.org,
+        "sent": r.sent,
+        "hard_bounces": r.bounced,
+        "complaints": r.complained,
+        "bounce_rate": round(r.bounce_rate, 6),
+        "complaint_rate": round(r.complaint_rate, 6),
+        "paused": r.paused,
+    }
 
 
 BUDGET_COLUMNS = [

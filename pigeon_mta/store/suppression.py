@@ -19,6 +19,7 @@ from pigeon_mta.store.executor import Executor
 
 MANUAL = "manual"
 BOUNCE = "bounce"
+COMPLAINT = "complaint"  # a complaint report (store/feedback.py)
 
 # A suppression-list entry `s` in force: this module owns the list; the claim
 # (store/claims.py) and the queue views read it.

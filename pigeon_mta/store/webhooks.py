@@ -25,9 +25,9 @@ from pigeon_mta.model import DSN_LISTENER
 from pigeon_mta.store.executor import Executor
 
 # The event types an endpoint may ask for; `webhook add` subscribes to all of them by default.
-# The first five are recipient outcomes, written by the statements that record them. `complained`
-# is kept for complaint reports (ARF, RFC 5965, from feedback loops), which pigeon-mta does not
-# process: nothing writes it, and an endpoint may subscribe to it all the same.
+# The first five are recipient outcomes, written by the statements that record them; `bounced`
+# (with "async": true) and `complained` are written by the record of feedback too
+# (store/feedback.py: a DSN after delivery, a complaint report).
 EVENT_TYPES = ("delivered", "deferred", "bounced", "expired", "suppressed", "complained")
 
 PENDING = "pending"

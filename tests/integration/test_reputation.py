@@ -8,6 +8,7 @@ test --attempts, feedback events--> PostgreSQL --reputation.evaluate--> suspensi
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 
@@ -18,6 +19,7 @@ from pigeon_mta.config import ReputationSettings, Settings
 from pigeon_mta.store import reputation as store_reputation
 from pigeon_mta.store import suspensions
 from pigeon_mta.store.orgs import ensure_org
+from tests.e2e.shared import pigeon_json
 from tests.integration.queue_helpers import bulk_queue, claim
 
 SETTINGS = dataclasses.replace(
@@ -88,7 +90,9 @@ async def paused(pool: asyncpg.Pool, org: uuid.UUID) -> asyncpg.Record | None:
     )
 
 
-async def test_complaints_over_the_threshold_pause_that_org_alone(pool: asyncpg.Pool) -> None:
+async def test_complaints_over_the_threshold_pause_that_org_alone(
+    pool: asyncpg.Pool, db_url: str
+) -> None:
     noisy = await ensure_org(pool, "noisy")
     quiet = await ensure_org(pool, "quiet")
     # The mark starts at the migration: what was recorded before it was never counted.
@@ -103,6 +107,13 @@ async def test_complaints_over_the_threshold_pause_that_org_alone(pool: asyncpg.
     assert row is not None and row["kind"] == "reputation"
     assert row["reason"].startswith("complaint rate 0.80% over 24h (8 of 1000")
     assert await paused(pool, quiet) is None
+    # `queue` and `org show` say so.
+    shown = await asyncio.to_thread(pigeon_json, db_url, "queue")
+    rows = {r["org"]: r for r in shown["reputation"]}
+    assert rows["noisy"]["complaint_rate"] == 0.008 and rows["noisy"]["paused"] == row["reason"]
+    assert rows["quiet"]["paused"] is None and rows["quiet"]["sent"] == 1000
+    org = await asyncio.to_thread(pigeon_json, db_url, "org", "show", "noisy")
+    assert (org["sent"], org["complaints"], org["paused"]) == (1000, 8, row["reason"])
     # Nothing of the paused org is claimed, nor attempted; the other org's mail flows.
     claimed = await claim(pool, owner="node-a", lease=60, batch=100)
     assert {d.org_id for d in claimed} == {quiet}
