@@ -28,7 +28,7 @@ SETTINGS = dataclasses.replace(
 
 
 async def history(
-    pool: asyncpg.Pool,
+    pool: asyncpg.Pool | asyncpg.Connection,
     org: uuid.UUID,
     *,
     delivered: int,
