@@ -2,8 +2,8 @@
 one org's bad list from costing every other org its standing with the mailbox providers (the
 tenant reputation policy of hosted sending services, kept here).
 
-Each maintenance round counts what was recorded since the last (store/reputation.py), reads every
-org's rates over `[reputation] window` and pauses an org that sent at least `min_volume`
+Each maintenance round counts what was recorded since the last (store/reputation.py, per org and
+lane), reads every org's rates over `[reputation] window` (its lanes together) and pauses an org that sent at least `min_volume`
 recipients in it and whose rate reached `pause_bounce_rate` or `pause_complaint_rate`: a
 suspension of the org (kind 'reputation'), so its mail stays queued and is not attempted, `queue`
 lists the pause with the mail it holds and `log` says why on each of its recipients. `pigeon-mta

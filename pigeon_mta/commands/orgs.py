@@ -108,6 +108,7 @@ async def cmd_show(args: argparse.Namespace) -> int:
         [rates] = await store_reputation.rates(
             conn, window=settings.reputation.window, org_id=org.id
         )
+        lanes = await store_reputation.lane_rates(conn, org.id, window=settings.reputation.window)
     reputation = settings.reputation
     print_object(
         args,
@@ -124,9 +125,24 @@ async def cmd_show(args: argparse.Namespace) -> int:
             "pause_complaint_rate": reputation.pause_complaint_rate,
             "paused": rates.paused,
             "resumed_at": rates.resumed_at,
+            **({"lanes": [_lane(lane) for lane in lanes]} if args.json else {}),
         },
     )
+    if lanes and not args.json:
+        print()
+        print_rows(args, [_lane(lane) for lane in lanes], list(_lane(lanes[0])))
     return 0
+
+
+def _lane(lane: store_reputation.LaneRates) -> dict[str, object]:
+    return {
+        "lane": lane.lane,
+        "sent": lane.sent,
+        "hard_bounces": lane.bounced,
+        "bounce_rate": round(lane.bounce_rate, 6),
+        "complaints": lane.complained,
+        "complaint_rate": round(lane.complaint_rate, 6),
+    }
 
 
 async def cmd_pause(args: argparse.Namespace) -> int:

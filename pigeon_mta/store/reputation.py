@@ -1,5 +1,6 @@
-"""A tenant's reputation in numbers: recipients sent, hard bounces and complaints per org and hour
-(table reputation_count, migration 0029), and the pauses they lead to (reputation.py decides).
+"""A tenant's reputation in numbers: recipients sent, hard bounces and complaints per org, lane and
+hour (table reputation_count, migration 0029), and the pauses they lead to (reputation.py
+decides: per org, the lanes together).
 
 `count` adds what was recorded since the last count: attempts (delivered and bounced recipients;
 hard bounces are those whose category suppresses) found through a block-range index of their
@@ -33,31 +34,33 @@ _COUNT = """
 WITH mark AS (SELECT counted_to FROM reputation_mark FOR UPDATE),
 upto AS (SELECT greatest(now() - make_interval(secs => $1), (SELECT counted_to FROM mark)) AS t),
 a AS (
-    SELECT org_id, date_trunc('hour', recorded_at) AS hour,
-           count(*) FILTER (WHERE outcome IN ('delivered', 'bounced')) AS sent,
-           count(*) FILTER (WHERE outcome = 'bounced' AND category = ANY ($2::text[])) AS bounced,
+    SELECT a.org_id, COALESCE(r.lane, 'transactional') AS lane,
+           date_trunc('hour', a.recorded_at) AS hour,
+           count(*) FILTER (WHERE a.outcome IN ('delivered', 'bounced')) AS sent,
+           count(*) FILTER (WHERE a.outcome = 'bounced' AND a.category = ANY ($2::text[]))
+               AS bounced,
            0::bigint AS complained
-    FROM attempt
-    WHERE recorded_at > (SELECT counted_to FROM mark) AND recorded_at <= (SELECT t FROM upto)
-      AND applied
-    GROUP BY 1, 2
+    FROM attempt a LEFT JOIN recipient r ON r.id = a.recipient_id
+    WHERE a.recorded_at > (SELECT counted_to FROM mark)
+      AND a.recorded_at <= (SELECT t FROM upto) AND a.applied
+    GROUP BY 1, 2, 3
 ), f AS (
-    SELECT org_id, date_trunc('hour', recorded_at) AS hour, 0::bigint AS sent,
+    SELECT org_id, lane, date_trunc('hour', recorded_at) AS hour, 0::bigint AS sent,
            count(*) FILTER (WHERE kind = 'bounce' AND hard) AS bounced,
            count(*) FILTER (WHERE kind = 'complaint') AS complained
     FROM feedback_event
     WHERE recorded_at > (SELECT counted_to FROM mark) AND recorded_at <= (SELECT t FROM upto)
-    GROUP BY 1, 2
+    GROUP BY 1, 2, 3
 ), n AS (
-    SELECT org_id, hour, sum(sent) AS sent, sum(bounced) AS bounced,
+    SELECT org_id, lane, hour, sum(sent) AS sent, sum(bounced) AS bounced,
            sum(complained) AS complained
     FROM (SELECT * FROM a UNION ALL SELECT * FROM f) x
     WHERE EXISTS (SELECT FROM org o WHERE o.id = x.org_id)
-    GROUP BY 1, 2
+    GROUP BY 1, 2, 3
 ), added AS (
-    INSERT INTO reputation_count AS c (org_id, hour, sent, bounced, complained)
-    SELECT org_id, hour, sent, bounced, complained FROM n
-    ON CONFLICT (org_id, hour) DO UPDATE
+    INSERT INTO reputation_count AS c (org_id, lane, hour, sent, bounced, complained)
+    SELECT org_id, lane, hour, sent, bounced, complained FROM n
+    ON CONFLICT (org_id, lane, hour) DO UPDATE
     SET sent = c.sent + EXCLUDED.sent, bounced = c.bounced + EXCLUDED.bounced,
         complained = c.complained + EXCLUDED.complained
     RETURNING 1
@@ -129,6 +132,36 @@ async def rates(db: Executor, *, window: float, org_id: uuid.UUID | None = None)
         )
         for r in rows
     ]
+
+
+@dataclass(frozen=True)
+class LaneRates:
+    lane: str
+    sent: int
+    bounced: int
+    complained: int
+
+    @property
+    def bounce_rate(self) -> float:
+        return self.bounced / self.sent if self.sent else 0.0
+
+    @property
+    def complaint_rate(self) -> float:
+        return self.complained / self.sent if self.sent else 0.0
+
+
+async def lane_rates(db: Executor, org_id: uuid.UUID, *, window: float) -> list[LaneRates]:
+    """One org's counts over the window, per lane it sent in."""
+    rows = await db.fetch(
+        """SELECT lane, sum(sent)::bigint AS sent, sum(bounced)::bigint AS bounced,
+                  sum(complained)::bigint AS complained
+           FROM reputation_count
+           WHERE org_id = $1 AND hour > now() - make_interval(secs => $2)
+           GROUP BY lane ORDER BY lane""",
+        org_id,
+        float(window),
+    )
+    return [LaneRates(r["lane"], r["sent"], r["bounced"], r["complained"]) for r in rows]
 
 
 async def pause(db: Executor, org_id: uuid.UUID, reason: str) -> bool:

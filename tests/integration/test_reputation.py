@@ -35,6 +35,7 @@ async def history(
     bounced: int = 0,
     complaints: int = 0,
     minutes_ago: int = 5,
+    lane: str = "transactional",
 ) -> None:
     """Recipients delivered and hard-bounced `minutes_ago`, with attempt rows as the record writes
     them, and complaints about the first of the delivered ones as the feedback processor does."""
@@ -44,13 +45,14 @@ async def history(
                SELECT gen_random_uuid(), $1, 'app@acme.example', 'x', 1, 'test', now()
                FROM generate_series(1, $2::int + $3::int) RETURNING id)
            INSERT INTO recipient (id, message_id, org_id, address, domain, status, attempts,
-                                  created_at, next_attempt_at)
+                                  created_at, next_attempt_at, lane)
            SELECT gen_random_uuid(), m.id, $1, 'r' || row_number() OVER () || '@dest.test',
-                  'dest.test', 'delivered', 1, now(), now()
+                  'dest.test', 'delivered', 1, now(), now(), $4
            FROM m RETURNING id, message_id""",
         org,
         delivered,
         bounced,
+        lane,
     )
     when = f"now() - interval '{minutes_ago} minutes'"
     for i, row in enumerate(rows):
@@ -75,12 +77,13 @@ async def history(
             await pool.execute(
                 f"""INSERT INTO feedback_event (id, feedback_id, recipient_id, message_id, org_id,
                                                lane, address, kind, hard, recorded_at)
-                    VALUES (gen_random_uuid(), $1, $2, $3, $4, 'transactional', 'x@dest.test',
+                    VALUES (gen_random_uuid(), $1, $2, $3, $4, $5, 'x@dest.test',
                             'complaint', true, {when})""",
                 feedback,
                 row["id"],
                 row["message_id"],
                 org,
+                lane,
             )
 
 
@@ -97,7 +100,8 @@ async def test_complaints_over_the_threshold_pause_that_org_alone(
     quiet = await ensure_org(pool, "quiet")
     # The mark starts at the migration: what was recorded before it was never counted.
     await pool.execute("UPDATE reputation_mark SET counted_to = now() - interval '1 hour'")
-    await history(pool, noisy, delivered=1000, complaints=8)  # 0.8%
+    await history(pool, noisy, delivered=600, complaints=6)  # 1%
+    await history(pool, noisy, delivered=400, complaints=2, lane="bulk")  # 0.5%
     await history(pool, quiet, delivered=1000, complaints=2)  # 0.2%
     await bulk_queue(pool, noisy, messages=5, domain="a.test")
     await bulk_queue(pool, quiet, messages=5, domain="a.test")
@@ -114,6 +118,10 @@ async def test_complaints_over_the_threshold_pause_that_org_alone(
     assert rows["quiet"]["paused"] is None and rows["quiet"]["sent"] == 1000
     org = await asyncio.to_thread(pigeon_json, db_url, "org", "show", "noisy")
     assert (org["sent"], org["complaints"], org["paused"]) == (1000, 8, row["reason"])
+    assert [(lane["lane"], lane["sent"], lane["complaint_rate"]) for lane in org["lanes"]] == [
+        ("bulk", 400, 0.005),
+        ("transactional", 600, 0.01),
+    ]
     # Nothing of the paused org is claimed, nor attempted; the other org's mail flows.
     claimed = await claim(pool, owner="node-a", lease=60, batch=100)
     assert {d.org_id for d in claimed} == {quiet}

@@ -1,4 +1,4 @@
--- A tenant's reputation: sent mail, hard bounces and complaints per org and hour, counted as they
+-- A tenant's reputation: sent mail, hard bounces and complaints per org, lane and hour, counted as they
 -- are recorded (store/reputation.py), and the pauses it leads to.
 
 -- Attempts are appended in the order they are recorded: a block-range index finds the newest at
@@ -7,11 +7,12 @@ CREATE INDEX attempt_recorded_brin ON attempt USING brin (recorded_at);
 
 CREATE TABLE reputation_count (
     org_id      uuid NOT NULL REFERENCES org (id) ON DELETE CASCADE,
+    lane        text NOT NULL,
     hour        timestamptz NOT NULL,
     sent        bigint NOT NULL DEFAULT 0,  -- recipients delivered or bounced
     bounced     bigint NOT NULL DEFAULT 0,  -- hard bounces, at once or reported later
     complained  bigint NOT NULL DEFAULT 0,
-    PRIMARY KEY (org_id, hour)
+    PRIMARY KEY (org_id, lane, hour)
 );
 
 -- Up to when attempts and feedback events are counted: one row, advanced by the node that counts
