@@ -93,9 +93,16 @@ async def test_a_dead_site_is_parked_without_churn_and_flows_again_when_it_answe
             assert time.monotonic() < deadline + 30, "the mail did not join the site's queue"
             await asyncio.sleep(0.5)
         before, began = await row_writes(pool), time.monotonic()
+        since = await pool.fetchval("SELECT now()")
         await asyncio.sleep(8)
         rate = (await row_writes(pool) - before) / (time.monotonic() - began)
-        assert rate <= 20, rate
+        # The mail waits unwritten: only the probes' rows are touched. (Those few rows take
+        # 5-22 updates a second between them, more on a loaded host: bounded, not zero.)
+        touched = await pool.fetchval(
+            "SELECT count(*) FROM recipient WHERE updated_at >= $1", since
+        )
+        assert touched <= 10, touched
+        assert rate <= 50, rate
         attempts = await pool.fetchval("SELECT count(*) FROM attempt")
         assert attempts < MESSAGES / 2, attempts  # most of the mail was never attempted
         waiting = (await asyncio.to_thread(budgets, db_url))[0]
