@@ -82,13 +82,33 @@ class Unread:
     body: bytes
 
 
-async def take_new(db: Executor, limit: int) -> list[Unread]:
-    """Up to `limit` unread feedback messages, oldest first, locked for the caller's transaction
-    (another processor passes them by)."""
+# What one batch reads of bodies at most (the first message whatever its size): a batch of
+# large hostile messages must not take the processor's memory.
+MAX_BATCH_BYTES = 32 * 1024 * 1024
+
+
+async def take_new(db: Executor, limit: int, *, max_bytes: int = MAX_BATCH_BYTES) -> list[Unread]:
+    """Up to `limit` unread feedback messages, oldest first, their bodies `max_bytes` together at
+    most (one at least), locked for the caller's transaction (another processor passes them by;
+    those left out of the batch are the next batch's)."""
+    locked = await db.fetch(
+        """SELECT id, length(body) AS size FROM feedback
+           WHERE status = 'new' ORDER BY received_at, id LIMIT $1 FOR UPDATE SKIP LOCKED""",
+        limit,
+    )
+    ids: list[uuid.UUID] = []
+    total = 0
+    for row in locked:
+        if ids and total + row["size"] > max_bytes:
+            break
+        ids.append(row["id"])
+        total += row["size"]
+    if not ids:
+        return []
     rows = await db.fetch(
         """SELECT id, received_at, mail_from, rcpt_to, body FROM feedback
-           WHERE status = 'new' ORDER BY received_at LIMIT $1 FOR UPDATE SKIP LOCKED""",
-        limit,
+           WHERE id = ANY ($1::uuid[]) ORDER BY received_at, id""",
+        ids,
     )
     return [
         Unread(r["id"], r["received_at"], r["mail_from"], tuple(r["rcpt_to"]), bytes(r["body"]))

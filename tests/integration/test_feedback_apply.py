@@ -314,3 +314,19 @@ async def test_forward_to_sender_queues_a_dsn_for_what_a_report_bounced(world: W
     assert "gone@dest.test" in dsn["body"] and "full@dest.test" not in dsn["body"]
     assert f"X-Pigeon-Queue-ID: {queue_id}" in dsn["body"]
     assert "Status: 5.1.1" in dsn["body"]
+
+
+async def test_a_batch_reads_a_bounded_amount_of_bodies(world: World) -> None:
+    verp = world.verp((await world.sent("a@dest.test"))[1])
+    for i in range(3):
+        body = reports.human_reply(to=verp).replace(b"reply-1@", f"reply-{i}@".encode())
+        await world.keep(body + b"x" * 400_000, to=verp)
+    async with world.pool.acquire() as conn, conn.transaction():
+        taken = await store_feedback.take_new(conn, 200, max_bytes=1_000_000)
+        assert len(taken) == 2  # the third would pass the bound: the next batch's
+        async with world.pool.acquire() as other, other.transaction():
+            # All three stay locked by the first batch: another processor passes them by.
+            assert await store_feedback.take_new(other, 200) == []
+    async with world.pool.acquire() as conn, conn.transaction():
+        first = await store_feedback.take_new(conn, 200, max_bytes=10)
+        assert len(first) == 1  # one at least, whatever its size
