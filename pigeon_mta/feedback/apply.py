@@ -8,6 +8,8 @@ have expanded an alias). A token may also come back inside the report: a complai
 Original-Mail-From, the original's Return-Path. A report with no valid token is matched by the
 original's Message-ID and the reported address; a match in more than one org matches nothing.
 
+- a report about a recipient still being delivered (it came before the outcome of the
+  transaction it follows was recorded) is left unread and read again a few seconds later;
 - a bounce: `hard` moves a delivered recipient to bounced and suppresses the address when its
   category suppresses for synchronous bounces too (outbound/classify.py `suppresses`); a soft
   one (a full mailbox) is recorded and changes nothing;
@@ -78,6 +80,11 @@ async def _match(
     if ids:
         # The first token that names a known recipient is the one the report is about.
         target = next((targets[i] for i in ids if i in targets), None)
+        if target is not None and target.status == "delivering":
+            # The report came before the outcome it follows was recorded (a gateway that
+            # bounces at once): read it again once the recorder has moved the recipient.
+            detail = f"{report.detail}; its recipient is being delivered: read again"
+            return Found(Outcome(feedback_id, store_feedback.NEW, report.kind, detail), ())
         if target is not None:
             events = _events(feedback_id, target, report.items)
     elif report.original_message_id:

@@ -124,6 +124,9 @@ class FeedbackProcessor:
                 # In the same transaction, as for a bounce the engine records (dsn_queue.py).
                 forwarded = await queue_bounces(conn, recorded.moved, hostname=self.forward_to)
         for f in found:
+            if f.outcome.status == store_feedback.NEW:
+                log.debug("feedback %s: %s", f.outcome.feedback_id, f.outcome.detail)
+                continue
             FEEDBACK.labels(kind=f.outcome.kind or "unknown", outcome=f.outcome.status).inc()
             log.info(
                 "feedback %s: %s (%s)", f.outcome.feedback_id, f.outcome.status, f.outcome.detail

@@ -82,6 +82,10 @@ class Unread:
     body: bytes
 
 
+# Seconds after which a report about a recipient still being delivered is read again: its
+# outcome is recorded by then (a recorder batch commits within a second or two).
+READ_AGAIN = 5.0
+
 # What one batch reads of bodies at most (the first message whatever its size): a batch of
 # large hostile messages must not take the processor's memory.
 MAX_BATCH_BYTES = 32 * 1024 * 1024
@@ -93,7 +97,8 @@ async def take_new(db: Executor, limit: int, *, max_bytes: int = MAX_BATCH_BYTES
     those left out of the batch are the next batch's)."""
     locked = await db.fetch(
         """SELECT id, length(body) AS size FROM feedback
-           WHERE status = 'new' ORDER BY received_at, id LIMIT $1 FOR UPDATE SKIP LOCKED""",
+           WHERE status = 'new' AND read_at <= now()
+           ORDER BY read_at, id LIMIT $1 FOR UPDATE SKIP LOCKED""",
         limit,
     )
     ids: list[uuid.UUID] = []
@@ -252,7 +257,8 @@ WITH v AS (
     {_OUTBOX}
 )
 UPDATE feedback f
-SET status = o.status, kind = o.kind, detail = o.detail, processed_at = now()
+SET status = o.status, kind = o.kind, detail = o.detail, processed_at = now(),
+    read_at = CASE WHEN o.status = 'new' THEN now() + make_interval(secs => $16) ELSE f.read_at END
 FROM unnest($12::uuid[], $13::text[], $14::text[], $15::text[]) AS o (id, status, kind, detail)
 WHERE f.id = o.id
 RETURNING f.id, (SELECT count(*) FROM e) AS events,
@@ -290,6 +296,7 @@ async def record(db: Executor, events: Sequence[Event], outcomes: Sequence[Outco
         [o.status for o in outcomes],
         [o.kind for o in outcomes],
         [o.detail for o in outcomes],
+        READ_AGAIN,
     )
     if not rows:
         return Recorded(0, [], 0)

@@ -330,3 +330,22 @@ async def test_a_batch_reads_a_bounded_amount_of_bodies(world: World) -> None:
     async with world.pool.acquire() as conn, conn.transaction():
         first = await store_feedback.take_new(conn, 200, max_bytes=10)
         assert len(first) == 1  # one at least, whatever its size
+
+
+async def test_a_dsn_faster_than_the_record_of_its_delivery_waits_for_it(world: World) -> None:
+    # A gateway that bounces at once: the DSN is kept while the recipient is still
+    # `delivering` (the recorder has not committed the 250 yet).
+    _q, rid = await world.sent("quick@dest.test", status="delivering")
+    verp = world.verp(rid)
+    feedback_id, _new = await world.keep(reports.dsn(to=verp, recipient="quick@dest.test"), to=verp)
+    await world.processor.process()
+    row = await world.feedback(feedback_id)
+    assert row["status"] == "new" and "read again" in row["detail"]
+    assert await world.events() == []
+    assert await world.processor.process() == 0  # not read again at once
+    # The delivery is recorded; the next read after READ_AGAIN applies the report.
+    await world.pool.execute("UPDATE recipient SET status = 'delivered' WHERE id = $1", rid)
+    await world.pool.execute("UPDATE feedback SET read_at = now() WHERE id = $1", feedback_id)
+    assert await world.processor.process() == 1
+    assert (await world.feedback(feedback_id))["status"] == "applied"
+    assert await world.status(rid) == "bounced"

@@ -33,9 +33,12 @@ CREATE TABLE feedback (
                   CHECK (status IN ('new', 'applied', 'unmatched', 'not-understood')),
     kind          text CHECK (kind IN ('bounce', 'delay', 'complaint')),
     detail        text,
-    processed_at  timestamptz
+    processed_at  timestamptz,
+    -- When an unread message is read next: at once, or later when the recipient it is about
+    -- was still being delivered (the report came before the outcome was recorded).
+    read_at       timestamptz NOT NULL DEFAULT now()
 );
-CREATE INDEX feedback_new ON feedback (received_at) WHERE status = 'new';
+CREATE INDEX feedback_new ON feedback (read_at) WHERE status = 'new';
 CREATE INDEX feedback_received ON feedback (received_at);
 
 -- What a report said of one recipient pigeon sent to: an asynchronous bounce (hard or soft), a
