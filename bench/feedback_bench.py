@@ -62,8 +62,8 @@ async def prepare(url: str, count: int, mix: bool) -> None:
         await set_return_path(pool, "bench.example", RETURN_PATH)
         paths = ReturnPaths(Settings(), pool)
         await paths.refresh()
-        keys = paths._keys
-        assert keys is not None
+        key = paths.signing
+        assert key is not None
         rows = await pool.fetch(
             """WITH m AS (
                    INSERT INTO message (id, org_id, sender, body, size, listener,
@@ -84,7 +84,7 @@ async def prepare(url: str, count: int, mix: bool) -> None:
         )
         kept = []
         for i, row in enumerate(rows):
-            verp = return_path(keys.signing, row["id"], RETURN_PATH)
+            verp = return_path(key, row["id"], RETURN_PATH)
             if mix and i % 5 == 4:
                 body = reports.arf(
                     to=verp,

@@ -48,7 +48,8 @@ class ReturnPaths:
             else None
         )
         self._by_domain: dict[tuple[uuid.UUID, str], str] = {}
-        self._keys: store_return_path.Keys | None = None
+        self._signing: SigningKey | None = None
+        self._verifying: dict[int, SigningKey] = {}
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ the service
@@ -87,7 +88,9 @@ class ReturnPaths:
             if rows or self.default or self.verifies:
                 keys = await store_return_path.keys(conn, max_age=self.max_age)
         self._by_domain = {(r["org_id"], r["domain"]): r["return_path"] for r in rows}
-        self._keys = keys
+        if keys is not None:
+            self._signing = SigningKey(keys.signing.id, keys.signing.secret)
+            self._verifying = {k.id: SigningKey(k.id, k.secret) for k in keys.verifying.values()}
 
     # ------------------------------------------------------------ what it answers
 
@@ -99,7 +102,12 @@ class ReturnPaths:
         return found
 
     def verifying(self) -> Mapping[int, SigningKey]:
-        return self._keys.verifying if self._keys is not None else {}
+        return self._verifying
+
+    @property
+    def signing(self) -> SigningKey | None:
+        """The key new tokens are signed with (None until one is read)."""
+        return self._signing
 
     def of(self, org_id: uuid.UUID, sender: str) -> str | None:
         """The return-path domain of mail from `sender` of this org; None for the null sender
@@ -112,9 +120,9 @@ class ReturnPaths:
     def split(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         """The deliveries as they are sent: one per recipient, each with its VERP envelope sender,
         where a return path applies; the others as they are."""
-        if self._keys is None or not (self._by_domain or self.default):
+        key = self._signing
+        if key is None or not (self._by_domain or self.default):
             return list(deliveries)
-        key = self._keys.signing
         out: list[Delivery] = []
         for delivery in deliveries:
             domain = self.of(delivery.org_id, delivery.sender)

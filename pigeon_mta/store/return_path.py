@@ -1,4 +1,5 @@
-"""Return-path domains and the keys of their VERP tokens (feedback/tokens.py).
+"""Return-path domains and the keys of their VERP tokens (feedback/tokens.py makes and reads the
+tokens; this module keeps the keys).
 
 A sender domain's `return_path` (else `[bounces] return_path_domain`) is the domain its mail
 leaves with as envelope sender, one address per recipient: the claim returns it with each row
@@ -12,14 +13,19 @@ import secrets
 from dataclasses import dataclass
 
 from pigeon_mta.domains import normalize_domain
-from pigeon_mta.feedback.tokens import SigningKey
 from pigeon_mta.store.executor import Executor
 
 
 @dataclass(frozen=True)
+class StoredKey:
+    id: int  # 0..255: the token's key byte (feedback/tokens.py)
+    secret: bytes
+
+
+@dataclass(frozen=True)
 class Keys:
-    signing: SigningKey
-    verifying: dict[int, SigningKey]  # the signing key and the retired ones still in force
+    signing: StoredKey
+    verifying: dict[int, StoredKey]  # the signing key and the retired ones still in force
 
 
 # The next key byte: one past the newest key's (0..255, round), skipping any still in use.
@@ -57,10 +63,10 @@ async def keys(db: Executor, *, max_age: float) -> Keys:
             row = await db.fetchrow(_ADD_KEY, secrets.token_bytes(32))
         assert row is not None
         rows = [*rows, row]
-        signing = SigningKey(row["id"], bytes(row["secret"]))
+        signing = StoredKey(row["id"], bytes(row["secret"]))
     else:
-        signing = SigningKey(current[-1]["id"], bytes(current[-1]["secret"]))
-    verifying = {r["id"]: SigningKey(r["id"], bytes(r["secret"])) for r in rows}
+        signing = StoredKey(current[-1]["id"], bytes(current[-1]["secret"]))
+    verifying = {r["id"]: StoredKey(r["id"], bytes(r["secret"])) for r in rows}
     return Keys(signing, verifying)
 
 

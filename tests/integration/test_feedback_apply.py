@@ -55,9 +55,9 @@ class World:
         return queue_id, recipient_id
 
     def verp(self, recipient_id: uuid.UUID) -> str:
-        keys = self.paths._keys
-        assert keys is not None
-        return return_path(keys.signing, recipient_id, RETURN_PATH)
+        key = self.paths.signing
+        assert key is not None
+        return return_path(key, recipient_id, RETURN_PATH)
 
     async def keep(self, body: bytes, *, to: str) -> tuple[uuid.UUID, bool]:
         from pigeon_mta.message import message_id_of, split_header
