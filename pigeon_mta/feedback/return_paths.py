@@ -48,6 +48,7 @@ class ReturnPaths:
             else None
         )
         self._by_domain: dict[tuple[uuid.UUID, str], str] = {}
+        self._domains: frozenset[str] = frozenset([self.default] if self.default else [])
         self._signing: SigningKey | None = None
         self._verifying: dict[int, SigningKey] = {}
         self._task: asyncio.Task[None] | None = None
@@ -88,18 +89,19 @@ class ReturnPaths:
             if rows or self.default or self.verifies:
                 keys = await store_return_path.keys(conn, max_age=self.max_age)
         self._by_domain = {(r["org_id"], r["domain"]): r["return_path"] for r in rows}
+        self._domains = frozenset(
+            [*self._by_domain.values(), *([self.default] if self.default else [])]
+        )
         if keys is not None:
             self._signing = SigningKey(keys.signing.id, keys.signing.secret)
             self._verifying = {k.id: SigningKey(k.id, k.secret) for k in keys.verifying.values()}
 
     # ------------------------------------------------------------ what it answers
 
-    def domains(self) -> set[str]:
-        """The domains a feedback listener takes mail for."""
-        found = set(self._by_domain.values())
-        if self.default:
-            found.add(self.default)
-        return found
+    def domains(self) -> frozenset[str]:
+        """The domains a feedback listener takes mail for (made at each refresh, asked at every
+        RCPT)."""
+        return self._domains
 
     def verifying(self) -> Mapping[int, SigningKey]:
         return self._verifying
