@@ -29,6 +29,7 @@ from tests.integration.submission_helpers import (
     make_tls,
     smtp_client,
 )
+from tests.integration.test_api_database_outage import set_reachable
 from tests.integration.test_submission_relay import RELAY_TRICKS
 from tests.peers import feedback_reports as reports
 
@@ -170,3 +171,21 @@ async def test_hostile_or_odd_mail_is_kept_and_not_understood(
     # And the listener still answers.
     replies = await asyncio.to_thread(converse, listening.port, ["NOOP"], UNTRUSTED_CLIENT)
     assert replies[0][0] == 250
+
+
+async def test_a_database_away_gets_451_and_nothing_is_lost(
+    listening: Listening, pool: asyncpg.Pool, admin_url: str, db_url: str
+) -> None:
+    """The report cannot be kept: the sender is told to try again (451), never 250; once the
+    database is back, its retry is kept and read."""
+    body = reports.dsn(to=VERP, recipient="ann@dest.example")
+    await set_reachable(admin_url, db_url, False)
+    try:
+        code, text = await asyncio.to_thread(deliver, listening.port, VERP, body)
+    finally:
+        await set_reachable(admin_url, db_url, True)
+    assert (code, text) == (451, b"4.3.0 Temporary failure keeping the message, try again later")
+    assert await kept(pool) == []
+    code, _text = await asyncio.to_thread(deliver, listening.port, VERP, body)
+    assert code == 250
+    assert len(await kept(pool)) == 1
