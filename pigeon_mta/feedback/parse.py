@@ -19,6 +19,7 @@ the Message-ID to match by and its Return-Path, which holds pigeon's token.
 
 from __future__ import annotations
 
+import dataclasses
 import email
 import email.message
 import email.policy
@@ -94,14 +95,7 @@ def read_report(data: bytes) -> Report:
         report = Report(
             None, detail=f"unreadable: {type(exc).__name__}: {plain_text(str(exc))[:200]}"
         )
-    return Report(
-        report.kind,
-        report.items,
-        report.original_message_id,
-        report.original_senders,
-        report.detail,
-        own,
-    )
+    return dataclasses.replace(report, own_message_id=own)
 
 
 def _read(message: Message, data: bytes) -> Report:

@@ -184,8 +184,6 @@ class Outcome:
     detail: str
 
 
-_ASYNC = {"async": "true"}
-
 _PAYLOAD = event_payload(
     type_="e.webhook_type",
     queue_id="e.message_id",
