@@ -74,6 +74,11 @@ async def count(db: Executor, *, hard_categories: Sequence[str], lag: float = LA
     """Count what was recorded since the last count (up to `lag` seconds ago); returns the
     (org, hour) rows it added to. Old hours are deleted by `prune`."""
     async with transaction(db) as conn:
+        # The lock first, in a statement of its own: the count then reads with a snapshot taken
+        # once the lock is held, so it sees everything committed before the node that held it
+        # let go (a statement waiting on the lock would read with its older snapshot and move
+        # the mark past rows it never saw).
+        await conn.execute("SELECT FROM reputation_mark FOR UPDATE")
         row = await conn.fetchrow(_COUNT, float(lag), list(hard_categories))
     return int(row["hours"]) if row is not None else 0
 
