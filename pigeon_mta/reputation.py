@@ -58,7 +58,7 @@ async def evaluate(db: Executor, settings: Settings) -> list[str]:
         ORG_BOUNCE_RATE.labels(org=rates.org).set(rates.bounce_rate)
         ORG_COMPLAINT_RATE.labels(org=rates.org).set(rates.complaint_rate)
         reason = pause_reason(rates, reputation, now)
-        if reason is not None and await store.pause(db, rates.org_id, reason):
+        if reason is not None and await store.pause(db, rates, reason, window=reputation.window):
             log.warning(
                 "org %s paused: %s; `pigeon-mta org resume %s` ends it",
                 rates.org,

@@ -228,14 +228,15 @@ _EVENT: dict[str, Any] = {
     },
 }
 
-# A webhook request's body (store/webhooks.py `event_payload`); README "Webhooks" says more.
-_WEBHOOK_EVENT: dict[str, Any] = {
+# A webhook request's body (store/webhooks.py `event_payload`, `org_event`); README "Webhooks"
+# says more.
+_RECIPIENT_EVENT: dict[str, Any] = {
     "type": "object",
     "description": "what happened to a recipient of the org's mail: an outcome, or what feedback "
     "said later (`bounced` with `async`: a DSN after delivery; `complained`: a complaint report)",
     "required": ["type", "timestamp", "data"],
     "properties": {
-        "type": {"type": "string", "enum": list(store_webhooks.EVENT_TYPES)},
+        "type": {"type": "string", "enum": list(store_webhooks.RECIPIENT_EVENT_TYPES)},
         "timestamp": {**_TIME, "description": "when the outcome was recorded (UTC)"},
         "data": {
             "type": "object",
@@ -274,6 +275,36 @@ _WEBHOOK_EVENT: dict[str, Any] = {
         },
     },
 }
+_ORG_EVENT: dict[str, Any] = {
+    "type": "object",
+    "description": "the org's mail stopped (`paused`) or started again (`resumed`): by its "
+    "reputation (`[reputation]` thresholds) or by an operator (`pigeon-mta org pause|resume`)",
+    "required": ["type", "timestamp", "data"],
+    "properties": {
+        "type": {"type": "string", "enum": list(store_webhooks.ORG_EVENT_TYPES)},
+        "timestamp": {**_TIME, "description": "when it was paused or resumed (UTC)"},
+        "data": {
+            "type": "object",
+            "required": ["org", "by"],
+            "properties": {
+                "org": {"type": "string", "description": "the org's name"},
+                "by": {"type": "string", "enum": ["reputation", "operator"]},
+                "reason": {"type": "string", "description": "why (`paused`), as `log` says"},
+                "for_seconds": {
+                    "type": ["number", "null"],
+                    "description": "an operator's pause that ends by itself; null: until resumed",
+                },
+                "window_seconds": {"type": "number"},
+                "sent": {"type": "integer"},
+                "hard_bounces": {"type": "integer"},
+                "complaints": {"type": "integer"},
+                "bounce_rate": {"type": "number"},
+                "complaint_rate": {"type": "number"},
+            },
+        },
+    },
+}
+_WEBHOOK_EVENT: dict[str, Any] = {"oneOf": [_RECIPIENT_EVENT, _ORG_EVENT]}
 
 
 def _webhook_operation() -> dict[str, Any]:

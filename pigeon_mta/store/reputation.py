@@ -12,6 +12,7 @@ hours of the window.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from datetime import datetime
 
 from pigeon_mta.store.executor import Executor, transaction
 from pigeon_mta.store.suspensions import ACTIVE, ORG
+from pigeon_mta.store.webhooks import org_event
 
 
 def window_text(seconds: float) -> str:
@@ -169,19 +171,34 @@ async def lane_rates(db: Executor, org_id: uuid.UUID, *, window: float) -> list[
     return [LaneRates(r["lane"], r["sent"], r["bounced"], r["complained"]) for r in rows]
 
 
-async def pause(db: Executor, org_id: uuid.UUID, reason: str) -> bool:
-    """Suspend the org's mail (kind 'reputation'), unless a suspension of it is in force;
-    whether it was paused now."""
-    result = await db.execute(
-        f"""INSERT INTO suspension AS x (key, until, reason, kind)
-            VALUES ('{ORG}' || $1::text, NULL, $2, 'reputation')
-            ON CONFLICT (key) DO UPDATE
-            SET until = NULL, reason = EXCLUDED.reason, kind = 'reputation', created_at = now()
-            WHERE NOT {ACTIVE}""",
-        str(org_id),
-        reason,
-    )
-    return result.endswith(" 1")
+_PAUSE = f"""
+WITH p AS (
+    INSERT INTO suspension AS x (key, until, reason, kind)
+    VALUES ('{ORG}' || $1::uuid::text, NULL, $4, 'reputation')
+    ON CONFLICT (key) DO UPDATE
+    SET until = NULL, reason = EXCLUDED.reason, kind = 'reputation', created_at = now()
+    WHERE NOT {ACTIVE}
+    RETURNING 1
+), e AS ({org_event("AND EXISTS (SELECT FROM p)")})
+SELECT count(*) FROM p
+"""
+
+
+async def pause(db: Executor, rates: OrgRates, reason: str, *, window: float) -> bool:
+    """Suspend the org's mail (kind 'reputation') with its `paused` webhook event, unless a
+    suspension of it is in force; whether it was paused now."""
+    data = {
+        "reason": reason,
+        "by": "reputation",
+        "window_seconds": window,
+        "sent": rates.sent,
+        "hard_bounces": rates.bounced,
+        "complaints": rates.complained,
+        "bounce_rate": round(rates.bounce_rate, 6),
+        "complaint_rate": round(rates.complaint_rate, 6),
+    }
+    paused = await db.fetchval(_PAUSE, rates.org_id, "paused", json.dumps(data), reason)
+    return bool(paused)
 
 
 async def mark_resumed(db: Executor, org_id: uuid.UUID) -> None:

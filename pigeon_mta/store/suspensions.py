@@ -13,12 +13,15 @@ sites, domains and lanes (an operator's tool); an org's suspension is that org's
 
 from __future__ import annotations
 
+import json
+import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
 import asyncpg
 
 from pigeon_mta.store.executor import Executor
+from pigeon_mta.store.webhooks import org_event
 
 ORG = "org:"
 LANE = "lane:"
@@ -53,6 +56,11 @@ UPDATE recipient SET site = NULL, updated_at = now() WHERE status = 'queued' AND
 """
 
 
+# The org's webhook event when an operator pauses or resumes it (a reputation pause writes its own,
+# store/reputation.py). A suspension with an end ends without one.
+_ORG_EVENT = org_event()
+
+
 @dataclass(frozen=True)
 class Suspension:
     key: str
@@ -82,6 +90,10 @@ async def suspend(
         )
         if key.startswith(DOMAIN):
             await conn.execute(_TO_DOMAIN_QUEUE, key.removeprefix(DOMAIN), key)
+        elif key.startswith(ORG):
+            data = {"reason": reason, "by": OPERATOR, "for_seconds": seconds}
+            org_id = uuid.UUID(key.removeprefix(ORG))
+            await conn.execute(_ORG_EVENT, org_id, "paused", json.dumps(data))
 
 
 async def hold(db: Executor, holds: dict[str, tuple[float, str]]) -> None:
@@ -129,6 +141,10 @@ async def resume(conn: asyncpg.Connection, key: str) -> bool:
         )
         if key.startswith(DOMAIN):
             await conn.execute(_FROM_DOMAIN_QUEUE, key)
+        elif ended and key.startswith(ORG):
+            data = {"by": OPERATOR}
+            org_id = uuid.UUID(key.removeprefix(ORG))
+            await conn.execute(_ORG_EVENT, org_id, "resumed", json.dumps(data))
     return bool(ended)
 
 

@@ -27,8 +27,14 @@ from pigeon_mta.store.executor import Executor
 # The event types an endpoint may ask for; `webhook add` subscribes to all of them by default.
 # The first five are recipient outcomes, written by the statements that record them; `bounced`
 # (with "async": true) and `complained` are written by the record of feedback too
-# (store/feedback.py: a DSN after delivery, a complaint report).
-EVENT_TYPES = ("delivered", "deferred", "bounced", "expired", "suppressed", "complained")
+# (store/feedback.py: a DSN after delivery, a complaint report). `paused` and `resumed` are the
+# org's own (ORG_EVENT): its mail stopped or started again, by its reputation or an operator.
+RECIPIENT_EVENT_TYPES = ("delivered", "deferred", "bounced", "expired", "suppressed", "complained")
+ORG_EVENT_TYPES = ("paused", "resumed")
+EVENT_TYPES = RECIPIENT_EVENT_TYPES + ORG_EVENT_TYPES
+
+# An event's timestamp: the recording transaction's time, in UTC with milliseconds.
+TIMESTAMP = """to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"')"""
 
 PENDING = "pending"
 DELIVERED = "delivered"
@@ -52,11 +58,11 @@ def event_payload(
 ) -> str:
     """The SQL expression of an event's body, {"type", "timestamp", "data"}, from the column
     expressions of the statement that writes it; `extra` adds fields to data (name: SQL). The
-    timestamp is the recording transaction's time, in UTC with milliseconds."""
+    timestamp is TIMESTAMP."""
     more = "".join(f", '{name}', {value}" for name, value in (extra or {}).items())
     return f"""jsonb_build_object(
         'type', {type_},
-        'timestamp', to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"'),
+        'timestamp', {TIMESTAMP},
         'data', jsonb_build_object(
             'queue_id', {queue_id}, 'recipient_id', {recipient_id}, 'recipient', {recipient},
             'message_id', {message_id}, 'code', {code}, 'enhanced_code', {enhanced_code},
@@ -119,6 +125,20 @@ def outbox_insert(
                ON o.id = h.id{condition}
     ) n
     RETURNING id, webhook_id, payload, attempts, created_at"""
+
+
+def org_event(condition: str = "") -> str:
+    """The statement (or CTE body) that writes an event of the org $1 itself, of type $2, its
+    data {"org": name} and the object $3 (jsonb): `paused` with the reason, `resumed`;
+    `condition` (SQL, "AND ...") may make it write nothing."""
+    return outbox_insert(
+        rows="org o",
+        type_="$2::text",
+        org_id="o.id",
+        payload=f"""jsonb_build_object('type', $2::text, 'timestamp', {TIMESTAMP},
+        'data', jsonb_build_object('org', o.name) || $3::jsonb)""",
+        where=f"o.id = $1::uuid {condition}",
+    )
 
 
 # The kind of a recorded outcome's message (model.message_kind), read as header_message_id is.

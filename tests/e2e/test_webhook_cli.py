@@ -36,7 +36,7 @@ async def test_add_prints_the_secret_once_and_list_shows_the_endpoint(
     listed = pigeon(db_url, "webhook", "list")
     assert (listed[0]["id"], listed[0]["url"], listed[0]["events"]) == (
         added["id"], "https://app.example/hooks",
-        "delivered,deferred,bounced,expired,suppressed,complained",
+        "delivered,deferred,bounced,expired,suppressed,complained,paused,resumed",
     )  # fmt: skip
     assert listed[1]["events"] == "bounced,expired"
     assert all(w["backlog"] == 0 and w["last_status"] is None for w in listed)
@@ -49,7 +49,8 @@ async def test_add_prints_the_secret_once_and_list_shows_the_endpoint(
 async def test_complained_is_an_event_type_an_endpoint_may_take(
     db_url: str, pool: asyncpg.Pool, org_id: uuid.UUID
 ) -> None:
-    """`complained` is accepted ahead of the complaint reports that would send it."""
+    """`complained` is an event type an endpoint may take alone; an unknown one is refused with the
+    types there are."""
     added = pigeon(
         db_url, "webhook", "add", "acme", "https://app.example/fbl", "--events", "complained"
     )
@@ -57,7 +58,7 @@ async def test_complained_is_an_event_type_an_endpoint_may_take(
     assert stored == ["complained"]
     assert pigeon(db_url, "webhook", "list")[0]["events"] == "complained"
     refused = failing(db_url, "webhook", "add", "acme", "https://x.example/", "--events", "spam")
-    assert refused.endswith("bounced, expired, suppressed, complained"), refused
+    assert refused.endswith("suppressed, complained, paused, resumed"), refused
 
 
 async def test_remove_deletes_the_endpoint_and_its_events(

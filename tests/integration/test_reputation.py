@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import uuid
 
 import asyncpg
@@ -19,6 +20,7 @@ from pigeon_mta.config import ReputationSettings, Settings
 from pigeon_mta.store import reputation as store_reputation
 from pigeon_mta.store import suspensions
 from pigeon_mta.store.orgs import ensure_org
+from pigeon_mta.store.webhooks import EVENT_TYPES, add_webhook
 from tests.e2e.shared import pigeon_json
 from tests.integration.queue_helpers import bulk_queue, claim
 
@@ -93,6 +95,16 @@ async def paused(pool: asyncpg.Pool, org: uuid.UUID) -> asyncpg.Record | None:
     )
 
 
+async def org_events(pool: asyncpg.Pool) -> list[tuple[str, str, str]]:
+    """The org events written for webhooks, oldest first: (type, org, by)."""
+    rows = await pool.fetch(
+        """SELECT payload FROM webhook_event WHERE type IN ('paused', 'resumed')
+           ORDER BY created_at, id"""
+    )
+    events = [json.loads(r["payload"]) for r in rows]
+    return [(e["type"], e["data"]["org"], e["data"]["by"]) for e in events]
+
+
 async def test_complaints_over_the_threshold_pause_that_org_alone(
     pool: asyncpg.Pool, db_url: str
 ) -> None:
@@ -105,12 +117,20 @@ async def test_complaints_over_the_threshold_pause_that_org_alone(
     await history(pool, quiet, delivered=1000, complaints=2)  # 0.2%
     await bulk_queue(pool, noisy, messages=5, domain="a.test")
     await bulk_queue(pool, quiet, messages=5, domain="a.test")
+    for org in (noisy, quiet):
+        await add_webhook(pool, org, f"https://hooks.example/{org}", EVENT_TYPES, "whsec_x")
 
     assert await reputation.evaluate(pool, SETTINGS) == ["noisy"]
     row = await paused(pool, noisy)
     assert row is not None and row["kind"] == "reputation"
     assert row["reason"].startswith("complaint rate 0.80% over 24h (8 of 1000")
     assert await paused(pool, quiet) is None
+    # The org's endpoint gets `paused` with the reason and the rates; the other org's gets nothing.
+    assert await org_events(pool) == [("paused", "noisy", "reputation")]
+    payload = json.loads(await pool.fetchval("SELECT payload FROM webhook_event"))
+    assert payload["data"]["reason"] == row["reason"]
+    assert (payload["data"]["complaints"], payload["data"]["sent"]) == (8, 1000)
+    assert payload["data"]["complaint_rate"] == 0.008
     # `queue` and `org show` say so.
     shown = await asyncio.to_thread(pigeon_json, db_url, "queue")
     rows = {r["org"]: r for r in shown["reputation"]}
@@ -129,6 +149,7 @@ async def test_complaints_over_the_threshold_pause_that_org_alone(
     assert await reputation.evaluate(pool, SETTINGS) == []
     [rates] = await store_reputation.rates(pool, window=86400, org_id=noisy)
     assert (rates.sent, rates.complained) == (1000, 8)
+    assert await org_events(pool) == [("paused", "noisy", "reputation")]
 
     # `org resume`: the mail is claimed again, and the same rates do not pause it at once.
     async with pool.acquire() as conn:
@@ -137,6 +158,10 @@ async def test_complaints_over_the_threshold_pause_that_org_alone(
     assert await reputation.evaluate(pool, SETTINGS) == []
     claimed = await claim(pool, owner="node-a", lease=60, batch=100)
     assert {d.org_id for d in claimed} == {noisy}
+    assert await org_events(pool) == [
+        ("paused", "noisy", "reputation"),
+        ("resumed", "noisy", "operator"),
+    ]
 
 
 async def test_hard_bounces_pause_and_little_mail_never_does(pool: asyncpg.Pool) -> None:
@@ -155,11 +180,17 @@ async def test_an_operators_suspension_is_not_replaced(pool: asyncpg.Pool) -> No
     noisy = await ensure_org(pool, "noisy")
     await pool.execute("UPDATE reputation_mark SET counted_to = now() - interval '1 hour'")
     await history(pool, noisy, delivered=1000, complaints=50)
+    await add_webhook(pool, noisy, "https://hooks.example/n", ("paused",), "whsec_x")
     async with pool.acquire() as conn:
         await suspensions.suspend(conn, suspensions.ORG + str(noisy), reason="audit", seconds=None)
     assert await reputation.evaluate(pool, SETTINGS) == []
     row = await paused(pool, noisy)
     assert row is not None and (row["reason"], row["kind"]) == ("audit", "operator")
+    # One `paused` event, the operator's; `resumed` is not among the endpoint's types.
+    assert await org_events(pool) == [("paused", "noisy", "operator")]
+    async with pool.acquire() as conn:
+        assert await suspensions.resume(conn, suspensions.ORG + str(noisy))
+    assert await org_events(pool) == [("paused", "noisy", "operator")]
 
 
 async def test_what_is_older_than_the_window_does_not_count(pool: asyncpg.Pool) -> None:
