@@ -57,7 +57,8 @@ async def node_parts(
         resources.callback(delivery_log.close)
         # The API's listener is one more that must be bound for the node to be ready.
         bound = [*listeners, API_LISTENER] if settings.api.listen is not None else listeners
-        readiness = Readiness(pool, exposition, bound, count, stop)
+        outboxes = [o.name for o in settings.outbox]
+        readiness = Readiness(pool, exposition, bound, count, stop, outboxes)
         http = ObservabilityServer(settings.metrics.listen, exposition, readiness)
         await _start_http(http)
         resources.push_async_callback(http.stop)
@@ -130,6 +131,7 @@ async def worker_services(
     from pigeon_mta.feedback.return_paths import ReturnPaths
     from pigeon_mta.intake.accept import Intake
     from pigeon_mta.outbound.engine import DeliveryEngine
+    from pigeon_mta.outbox.relay import OutboxRelay
     from pigeon_mta.signer import DkimSigner
     from pigeon_mta.store.notify import QueueWaker
     from pigeon_mta.submission.service import Feedback, SubmissionService
@@ -196,4 +198,6 @@ async def worker_services(
             services.append(ApiService(settings, pool, intake))
         elif index == 0:
             log.info("HTTP API off ('api.listen' is empty)")
+        # Each outbox's relay is one more door to the intake (outbox/relay.py).
+        services.extend(OutboxRelay(settings, o, pool, intake) for o in settings.outbox)
         yield services

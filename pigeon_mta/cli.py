@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "suppress": ("suppress", "suppression list"),
     "webhook": ("webhooks", "HTTP endpoints told about an org's mail"),
     "feedback": ("feedback", "bounces and complaint reports that came back"),
+    "outbox": ("outbox", "tables in applications' databases that are relayed"),
 }
 
 EXIT_ERROR = 1

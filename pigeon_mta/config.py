@@ -15,6 +15,7 @@ from typing import Literal
 # The value types, here where the options are typed with them (and where callers find them).
 from pigeon_mta.config_feedback import BounceSettings as BounceSettings
 from pigeon_mta.config_feedback import ReputationSettings as ReputationSettings
+from pigeon_mta.config_outbox import OutboxSettings as OutboxSettings
 from pigeon_mta.config_shaping import ShapingSettings
 from pigeon_mta.config_values import Duration as Duration
 from pigeon_mta.config_values import HostPort as HostPort
@@ -293,6 +294,9 @@ class MetricsSettings:
 # The listener name HTTP API mail is stored and counted under (message.listener, the metrics'
 # `listener` label); no [[listener]] may take it.
 API_LISTENER = "api"
+# The same for mail relayed from an outbox ([[outbox]]); its auth_user is "outbox:<name>".
+OUTBOX_LISTENER = "outbox"
+OUTBOX_USER_PREFIX = "outbox:"
 # How a message sent with an API key names it as its auth_user: "apikey:<id>" (never a login).
 API_KEY_USER_PREFIX = "apikey:"
 
@@ -416,6 +420,8 @@ class Settings:
     reputation: ReputationSettings = field(default_factory=ReputationSettings)
     log: LogSettings = field(default_factory=LogSettings)
     webhooks: WebhookSettings = field(default_factory=WebhookSettings)
+    # Tables in applications' databases that pigeon-mta relays ([[outbox]], config_outbox.py).
+    outbox: tuple[OutboxSettings, ...] = ()
     # Reply rules ([[shaping.rule]], config_shaping.py).
     shaping: ShapingSettings = field(default_factory=ShapingSettings)
     # Lanes by name: always "transactional" and "bulk", and those [lanes.NAME] declares.

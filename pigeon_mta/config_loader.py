@@ -18,6 +18,7 @@ from typing import Any
 from pigeon_mta.config import (
     API_LISTENER,
     LANE_HEADER_POLICIES,
+    OUTBOX_LISTENER,
     DeliverySettings,
     HostPort,
     LaneHeader,
@@ -29,6 +30,7 @@ from pigeon_mta.config import (
 from pigeon_mta.config_build import ConfigError as ConfigError
 from pigeon_mta.config_build import build
 from pigeon_mta.config_build import settings_schema_keys as settings_schema_keys
+from pigeon_mta.config_outbox import check_outboxes
 from pigeon_mta.config_shaping import check_shaping
 from pigeon_mta.config_values import nameserver_address
 from pigeon_mta.domains import normalize_domain
@@ -149,16 +151,16 @@ def _check(settings: Settings) -> None:
         # A lease owner is "<node_name>/<run id>": the name must not look like a prefix of another.
         raise ConfigError(f"'server.node_name' must not contain '/': {settings.server.node_name!r}")
     _check_intervals(settings)
-    shaping = check_shaping(settings.shaping)
-    if shaping is not None:
-        raise ConfigError(shaping)
+    for problem in (check_shaping(settings.shaping), check_outboxes(settings.outbox)):
+        if problem is not None:
+            raise ConfigError(problem)
     names = [listener.name for listener in settings.listener]
     for name in names:
         if names.count(name) > 1:
             raise ConfigError(f"listener name '{name}' is used twice")
-        if name == API_LISTENER:
-            # API mail is stored and counted under this name (store/apikeys.py).
-            raise ConfigError(f"listener name '{name}' is reserved for the HTTP API")
+        if name in (API_LISTENER, OUTBOX_LISTENER):
+            # API and outbox mail is stored and counted under these names (store/apikeys.py).
+            raise ConfigError(f"listener name '{name}' is reserved for the HTTP API and outboxes")
     for listener in settings.listener:
         if bool(listener.tls_cert) != bool(listener.tls_key):
             raise ConfigError(

@@ -135,6 +135,39 @@ FEEDBACK = Counter(
     ["kind", "outcome"],
 )
 
+OUTBOX_ROWS = Counter(
+    "pigeon_outbox_rows",
+    "Rows of an outbox in an application's database, by what the relay did with them: queued, "
+    "repeat (queued before, answered again with its queue id), refused (its error written)",
+    ["outbox", "outcome"],
+)
+# Set by each worker's relay of the outbox, read from the application's database every few
+# seconds; the node's value is the freshest live process's.
+OUTBOX_BACKLOG = Gauge(
+    "pigeon_outbox_backlog",
+    "Rows of an outbox waiting to be relayed (refused rows not counted)",
+    ["outbox"],
+    multiprocess_mode="livemostrecent",
+)
+OUTBOX_OLDEST_AGE = Gauge(
+    "pigeon_outbox_oldest_age_seconds",
+    "Age of the oldest row of an outbox waiting to be relayed (0 when none waits)",
+    ["outbox"],
+    multiprocess_mode="livemostrecent",
+)
+OUTBOX_REFUSED = Gauge(
+    "pigeon_outbox_refused",
+    "Rows of an outbox the intake refused, their error written, waiting for the application",
+    ["outbox"],
+    multiprocess_mode="livemostrecent",
+)
+OUTBOX_REACHABLE = Gauge(
+    "pigeon_outbox_reachable",
+    "Worker processes whose relay of the outbox is connected to the application's database",
+    ["outbox"],
+    multiprocess_mode="livesum",
+)
+
 ORG_BOUNCE_RATE = Gauge(
     "pigeon_org_bounce_rate",
     "An org's hard bounces (at once or reported later) per recipient sent over [reputation] window",

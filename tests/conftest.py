@@ -103,6 +103,24 @@ async def _drop(admin_url: str, name: str) -> None:
         await admin.close()
 
 
+@pytest.fixture
+def app_db_url(admin_url: str) -> Iterator[str]:
+    """An empty database beside pigeon-mta's on the test server, as an application's own
+    (the outbox tests), dropped after the test."""
+    name = f"pigeon_app_{uuid.uuid4().hex[:12]}"
+
+    async def create() -> None:
+        admin = await asyncpg.connect(admin_url)
+        try:
+            await admin.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await admin.close()
+
+    asyncio.run(create())
+    yield _with_database(admin_url, name)
+    asyncio.run(_drop(admin_url, name))
+
+
 class FreshDatabases:
     """Clones of the template made ahead of the tests that take them, and dropped after their
     test, on an event loop of their own. A clone takes PostgreSQL about 0.3 s, mostly waiting

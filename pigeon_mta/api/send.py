@@ -106,7 +106,7 @@ class SendHandler:
         )
         prepared = await self.intake.prepare(submission)
         if isinstance(prepared, Refusal):
-            raise problem_of(prepared, key, composed, self.settings)
+            raise problem_of(prepared, key.org, composed, self.settings)
         if idempotency is not None and not claimed:
             taken = await self._claim(key, idempotency, prepared)
             if isinstance(taken, web.Response):
@@ -114,7 +114,7 @@ class SendHandler:
             prepared = taken
         queued = await self.intake.commit(prepared)
         if isinstance(queued, Refusal):
-            raise problem_of(queued, key, composed, self.settings)
+            raise problem_of(queued, key.org, composed, self.settings)
         if queued.as_sent:
             status, response = 202, _accepted(queued.queue_id, queued.envelope)
         else:
@@ -210,8 +210,9 @@ def _door(request: web.Request) -> Door:
     )
 
 
-def problem_of(refusal: Refusal, key: ApiKey, composed: Composed, settings: Settings) -> Problem:
-    """The problem an intake's refusal is answered with."""
+def problem_of(refusal: Refusal, org: str, composed: Composed, settings: Settings) -> Problem:
+    """The problem an intake's refusal of `org`'s message is answered with (the outbox relay
+    writes its detail to a refused row)."""
     reason = refusal.reason
     field = _FIELD_NAMES.get(refusal.field or "", "")
     limits = settings.limits
@@ -219,13 +220,13 @@ def problem_of(refusal: Refusal, key: ApiKey, composed: Composed, settings: Sett
         return Problem(
             problems.SENDER_NOT_OWNED,
             f"The sender '{composed.sender}' in 'from' is not at one of the sender domains of "
-            f"the org '{key.org}'.",
+            f"the org '{org}'.",
         )
     if reason is Reason.FIELD_NOT_OWNED:
         return Problem(
             problems.SENDER_NOT_OWNED,
             f"The {field}: field names @{refusal.domain}, which is not a sender domain of the "
-            f"org '{key.org}'.",
+            f"org '{org}'.",
         )
     if reason is Reason.FIELD_UNREADABLE:
         assert refusal.problem is not None

@@ -250,7 +250,7 @@ class Intake:
                 new_message_id=new_message_id,
                 max_header_size=limits.max_header_size,
                 max_hops=limits.max_hops,
-                top=http_trace(trace) if door.trace == "http" else None,
+                top=http_trace(trace, door.via) if door.trace == "http" else None,
             )
         except HeaderTooLarge:
             log.info(
@@ -326,13 +326,13 @@ class Intake:
         log.warning("message %s was queued but its client went away before the reply", queue_id)
 
 
-def http_trace(trace: Trace) -> bytes:
-    """The trace field of HTTP API mail, where SMTP mail has its Received field: from where the
-    message came, when, and its queue id. Which API key sent it is kept in the database and the
+def http_trace(trace: Trace, via: str = "HTTP") -> bytes:
+    """The trace field of HTTP API mail (and an outbox's, `via` "outbox NAME"), where SMTP mail
+    has its Received field: from where the message came, when, and its queue id. Which API key sent it is kept in the database and the
     log (`auth_user` apikey:<id>), not told to the recipients, as Postfix keeps the SASL user out
     of its Received field."""
     return (
-        f"X-Pigeon-Submitted: by {trace.hostname} (pigeon-mta) over HTTP\r\n"
+        f"X-Pigeon-Submitted: by {trace.hostname} (pigeon-mta) over {via}\r\n"
         f"\tfrom [{trace.client_ip}] id {trace.queue_id};\r\n"
         f"\t{format_datetime(trace.received_at)}\r\n"
     ).encode("ascii")

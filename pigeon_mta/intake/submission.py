@@ -38,9 +38,10 @@ class Door:
     smtputf8: bool = False
     tls_version: str | None = None
     tls_cipher: str | None = None
-    # The trace field on top: SMTP's Received (and Authentication-Results), or the HTTP API's
-    # X-Pigeon-Submitted.
+    # The trace field on top: SMTP's Received (and Authentication-Results), or the
+    # X-Pigeon-Submitted of the HTTP API and the outboxes, which says how it came (`via`).
     trace: Literal["smtp", "http"] = "smtp"
+    via: str = "HTTP"
     # MAIL's AUTH= (RFC 4954 section 5), as the client claimed it: recorded only.
     auth_param: str | None = None
 

@@ -4,6 +4,8 @@ Ready means: not stopping, the database answers, at least one worker process has
 services, every configured listener, the HTTP API's included, is bound in at least one live
 worker process, and no live worker's recorder is stalled (outbound/recorder.py: results waiting
 with none recorded for long: delivered mail would stay `delivering` and be sent again later).
+An outbox whose application database no worker reaches is shown (WARN) without making the node
+unready: its mail waits in the application's table, and every other door still queues.
 
 How a listener reports "bound": the submission service (and the API service, under the listener
 name `api`) sets the multiprocess gauge `metrics.LISTENERS_BOUND.labels(listener=name).set(1)` once
@@ -29,6 +31,7 @@ DATABASE_CHECK_TIMEOUT = 2.0
 _LISTENERS_BOUND = family_name(metrics.LISTENERS_BOUND)
 _WORKERS_READY = family_name(metrics.WORKERS_READY)
 _RECORDERS_STALLED = family_name(metrics.RECORDERS_STALLED)
+_OUTBOXES_REACHABLE = family_name(metrics.OUTBOX_REACHABLE)
 
 
 # The live-queue statuses of pigeon_queue_recipients: "queued" (not tried yet), "deferred"
@@ -68,9 +71,13 @@ class Check:
     name: str
     ok: bool
     detail: str
+    # A check that is shown but does not make the node unready (WARN): an application's
+    # database that an outbox cannot reach stops that outbox, not the node's mail.
+    required: bool = True
 
     def __str__(self) -> str:
-        return f"{self.name}: {'ok' if self.ok else 'FAIL'} ({self.detail})"
+        state = "ok" if self.ok else "FAIL" if self.required else "WARN"
+        return f"{self.name}: {state} ({self.detail})"
 
 
 @dataclass
@@ -80,6 +87,7 @@ class Readiness:
     listeners: Sequence[str]
     processes: int
     stopping: asyncio.Event
+    outboxes: Sequence[str] = ()
 
     async def checks(self) -> list[Check]:
         if self.stopping.is_set():
@@ -105,10 +113,21 @@ class Readiness:
                 "long while results wait (see the log)",
             )
         )
+        reachable = values.get(_OUTBOXES_REACHABLE, {})
+        for name in self.outboxes:
+            count = reachable.get((("outbox", name),), 0.0)
+            detail = (
+                f"connected in {count:g} process(es)"
+                if count
+                else "no worker process is connected to the application's database (see the log)"
+            )
+            checks.append(Check(f"outbox {name}", count >= 1, detail, required=False))
         return checks
 
     def _process_values(self) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
-        return self.exposition.sample_values(_WORKERS_READY, _LISTENERS_BOUND, _RECORDERS_STALLED)
+        return self.exposition.sample_values(
+            _WORKERS_READY, _LISTENERS_BOUND, _RECORDERS_STALLED, _OUTBOXES_REACHABLE
+        )
 
     async def _database(self) -> Check:
         try:

@@ -53,7 +53,7 @@ class ObservabilityServer(WebServer):
 
     async def _readyz(self, _request: web.Request) -> web.Response:
         checks = await self.readiness.checks()
-        ready = all(c.ok for c in checks)
+        ready = all(c.ok or not c.required for c in checks)
         text = ("ready\n" if ready else "not ready\n") + "".join(f"{c}\n" for c in checks)
         return _answer(200 if ready else 503, TEXT, text.encode())
 

@@ -38,12 +38,13 @@ def test_check_config_passes_on_the_example() -> None:
 
 
 def commented_keys(text: str) -> set[str]:
-    """Options shown as a commented-out line (`# key = value`) under their [table]: those whose
-    default differs per machine, such as server.node_name, and must not be copied as a value."""
+    """Options shown as a commented-out line (`# key = value`) under their [table] (itself
+    commented out where the table is one to copy, such as [[outbox]]): those whose default
+    differs per machine, such as server.node_name, and must not be copied as a value."""
     keys: set[str] = set()
     table = ""
     for line in text.splitlines():
-        if header := re.fullmatch(r"\[+([\w.\"-]+)\]+\s*(#.*)?", line.strip()):
+        if header := re.fullmatch(r"(?:#\s?)?\[+([\w.\"-]+)\]+\s*(#.*)?", line.strip()):
             table = header.group(1) + "."
         elif option := re.match(r"#\s?([a-z_]+) = ", line):
             keys.add(table + option.group(1))

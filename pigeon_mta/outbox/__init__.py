@@ -1,0 +1,1 @@
+"""Outboxes: tables in applications' databases that pigeon-mta relays into its queue."""

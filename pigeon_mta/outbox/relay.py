@@ -1,0 +1,342 @@
+"""The relay of one outbox: rows an application wrote to a table in its own database, in the
+transaction of its change (outbox/table.py), become queued mail through the one intake, as the
+HTTP API's requests do (sender policy, rate, lane, duplicates), and their queue ids go back.
+
+A round claims a batch of waiting rows FOR UPDATE SKIP LOCKED in a transaction of the
+application's database (relays of other processes and nodes take other rows) and holds it open
+while, in pigeon-mta's database:
+1. the keys given a queue id before are looked up (store/outbox_keys.py); one whose message is
+   queued is answered with that queue id, unqueued again;
+2. the other rows are composed (the API's JSON form, or raw with its envelope) and prepared;
+3. their keys are given the queue ids of their messages, and only then are the messages
+   committed (the group commit, shared with the listeners and the API).
+It then writes each row's `queue_id` and `relayed_at`, or the refusal's sentence to `error`, and
+commits. A relay that dies anywhere before that commit leaves its rows waiting; the next round
+finds their keys and queues each message under the queue id its key was given, which the
+message's primary key lets only one commit do: one message per key, whatever crashes.
+
+What the application must correct (a sender its org may not use, a malformed message) is
+refused: `error` is written and the row stays, and the rows after it flow. What is pigeon-mta's
+trouble or passes (its database, a credential rate) leaves the row waiting for a later round. A
+lost application database is connected again with backoff; `pigeon_outbox_reachable` and
+/readyz say so meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import random
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import asyncpg
+
+from pigeon_mta import metrics
+from pigeon_mta.api.compose import Composed, from_json, from_raw
+from pigeon_mta.api.problems import Problem
+from pigeon_mta.api.send import problem_of
+from pigeon_mta.config import OUTBOX_LISTENER, OUTBOX_USER_PREFIX, OutboxSettings, Settings
+from pigeon_mta.intake.accept import Intake, Prepared, Queued
+from pigeon_mta.intake.refusal import Reason, Refusal
+from pigeon_mta.intake.submission import Door, Submission, Submitter
+from pigeon_mta.outbox.table import CHANNEL, Row, Table
+from pigeon_mta.store import orgs as store_orgs
+from pigeon_mta.store import outbox_keys
+from pigeon_mta.store.connect import DB_ERRORS
+from pigeon_mta.store.errors import is_bad_input
+
+log = logging.getLogger("pigeon_mta.outbox")
+
+# The application's database: retried after 1 s, doubling up to a minute.
+RETRY_INITIAL = 1.0
+RETRY_MAX = 60.0
+# The backlog gauges are read this often, and relayed rows past retention deleted this often.
+BACKLOG_EVERY = 5.0
+PRUNE_EVERY = 60.0
+# A key is forgotten a day after its row could have been deleted.
+KEY_MARGIN = 86400.0
+# Errors of the application's database that a new connection may cure.
+APP_DB_ERRORS = (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
+
+
+class PigeonTrouble(Exception):
+    """pigeon-mta's database failed during a round (the cause): its rows are left waiting."""
+
+
+@dataclass
+class Round:
+    """What one round did with its rows."""
+
+    relayed: list[tuple[int, uuid.UUID]] = field(default_factory=list)
+    refused: list[tuple[int, str]] = field(default_factory=list)
+    repeats: int = 0
+    waiting: int = 0  # left for a later round: pigeon-mta's trouble, or a rate
+
+    @property
+    def taken(self) -> int:
+        return len(self.relayed) + len(self.refused) + self.waiting
+
+
+class OutboxRelay:
+    """One outbox's relay in one worker process (a Service of app.py)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        outbox: OutboxSettings,
+        pool: asyncpg.Pool,
+        intake: Intake,
+        *,
+        connect: Callable[[str], Awaitable[asyncpg.Connection]] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.outbox = outbox
+        self.name = f"outbox {outbox.name}"
+        self.pool = pool
+        self.intake = intake
+        self.table = Table(outbox.table)
+        self._connect = connect or (
+            lambda url: asyncpg.connect(url, timeout=settings.database.connect_timeout)
+        )
+        self._org_id: uuid.UUID | None = None
+        self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._rng = random.Random()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=self.name)
+
+    async def stop(self, deadline: float) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(
+                asyncio.shield(self._task),
+                max(0.0, deadline - asyncio.get_running_loop().time()),
+            )
+        except TimeoutError:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        delay = RETRY_INITIAL
+        reachable = metrics.OUTBOX_REACHABLE.labels(outbox=self.outbox.name)
+        while not self._stopping.is_set():
+            try:
+                conn = await self._connect(self.outbox.database)
+            except APP_DB_ERRORS as exc:
+                log.warning(
+                    "outbox %s: cannot connect to the application's database: %s; trying again "
+                    "in %.0fs",
+                    self.outbox.name,
+                    str(exc).strip() or type(exc).__name__,
+                    delay,
+                )
+            else:
+                reachable.set(1)
+                try:
+                    await self._relay_while_connected(conn)
+                    delay = RETRY_INITIAL
+                except APP_DB_ERRORS as exc:
+                    log.warning(
+                        "outbox %s: the application's database went away: %s; connecting again "
+                        "in %.0fs",
+                        self.outbox.name,
+                        str(exc).strip() or type(exc).__name__,
+                        delay,
+                    )
+                finally:
+                    reachable.set(0)
+                    with contextlib.suppress(*APP_DB_ERRORS):
+                        await asyncio.wait_for(conn.close(), 5)
+            if self._stopping.is_set():
+                break
+            await self._sleep(delay * (0.5 + self._rng.random()))
+            delay = min(RETRY_MAX, delay * 2)
+
+    async def _relay_while_connected(self, conn: asyncpg.Connection) -> None:
+        loop = asyncio.get_running_loop()
+
+        def heard(*_args: object) -> None:
+            self._wake.set()
+
+        await conn.add_listener(CHANNEL, heard)
+        log.info("outbox %s: relaying %s", self.outbox.name, self.outbox.table)
+        next_backlog = next_prune = 0.0
+        while not self._stopping.is_set():
+            self._wake.clear()
+            try:
+                done = await self.relay_round(conn)
+            except PigeonTrouble as trouble:
+                log.warning(
+                    "outbox %s: rows left waiting, pigeon-mta's database: %s",
+                    self.outbox.name,
+                    trouble.__cause__,
+                )
+                done = Round()
+                await self._sleep(float(self.outbox.poll_interval))
+            now = loop.time()
+            if now >= next_backlog:
+                await self._read_backlog(conn)
+                next_backlog = now + BACKLOG_EVERY
+            if now >= next_prune:
+                await self._prune(conn)
+                next_prune = now + PRUNE_EVERY
+            if done.taken >= self.outbox.batch and not done.waiting:
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), float(self.outbox.poll_interval))
+
+    async def relay_round(self, conn: asyncpg.Connection) -> Round:
+        """One batch: claimed, relayed, written back, committed; what became of its rows."""
+        async with conn.transaction():
+            rows = await self.table.claim(conn, self.outbox.batch)
+            if not rows:
+                return Round()
+            done = await self._relay(rows)
+            await self.table.write_back(conn, done.relayed, done.refused)
+        name = self.outbox.name
+        metrics.OUTBOX_ROWS.labels(outbox=name, outcome="queued").inc(
+            len(done.relayed) - done.repeats
+        )
+        if done.repeats:
+            metrics.OUTBOX_ROWS.labels(outbox=name, outcome="repeat").inc(done.repeats)
+        if done.refused:
+            metrics.OUTBOX_ROWS.labels(outbox=name, outcome="refused").inc(len(done.refused))
+        return done
+
+    async def _relay(self, rows: list[Row]) -> Round:
+        try:
+            org_id = await self._org()
+            keys = [r.key for r in rows]
+            given = await outbox_keys.given(self.pool, org_id, self.outbox.name, keys)
+        except DB_ERRORS as exc:
+            raise PigeonTrouble from exc
+        done = Round()
+        composed: dict[int, Composed] = {}
+        fresh: list[tuple[Row, Submission]] = []
+        for row in rows:
+            earlier = given.get(row.key)
+            if earlier is not None and earlier[1]:
+                done.relayed.append((row.id, earlier[0]))
+                done.repeats += 1
+                continue
+            try:
+                composed[row.id] = _compose(row, self.settings)
+            except Problem as problem:
+                self._refuse(done, row, problem.detail)
+                continue
+            queue_id = earlier[0] if earlier is not None else None
+            fresh.append((row, self._submission(row, composed[row.id], org_id, queue_id)))
+        prepared = await asyncio.gather(*(self.intake.prepare(s) for _, s in fresh))
+        ready: list[tuple[Row, Prepared]] = []
+        for (row, _), made in zip(fresh, prepared, strict=True):
+            if isinstance(made, Refusal):
+                self._refused_by_intake(done, row, made, composed[row.id])
+            else:
+                ready.append((row, made))
+        if not ready:
+            return done
+        # The keys take their queue ids before any message is committed under them.
+        offered = {row.key: p.queue_id for row, p in ready}
+        try:
+            taken = await outbox_keys.give(self.pool, org_id, self.outbox.name, offered)
+        except DB_ERRORS as exc:
+            raise PigeonTrouble from exc
+        ready = [(row, p.with_queue_id(taken[row.key])) for row, p in ready]
+        committed = await asyncio.gather(*(self.intake.commit(p) for _, p in ready))
+        for (row, _), outcome in zip(ready, committed, strict=True):
+            if isinstance(outcome, Queued):
+                done.relayed.append((row.id, outcome.queue_id))
+            else:
+                self._refused_by_intake(done, row, outcome, composed[row.id])
+        return done
+
+    def _submission(
+        self, row: Row, composed: Composed, org_id: uuid.UUID, queue_id: uuid.UUID | None
+    ) -> Submission:
+        return Submission(
+            door=Door(listener=OUTBOX_LISTENER, trace="http", via=f"outbox {self.outbox.name}"),
+            submitter=Submitter(
+                org_id=org_id,
+                org=self.outbox.org,
+                auth_user=OUTBOX_USER_PREFIX + self.outbox.name,
+                api_key=True,
+            ),
+            sender=str(composed.sender),
+            recipients=composed.recipients,
+            data=composed.data,
+            lane=composed.lane,
+            content_key=hashlib.blake2b(
+                (row.message or "").encode() + (row.raw or b""), digest_size=16
+            ).digest(),
+            queue_id=queue_id,
+            repeatable=True,
+        )
+
+    def _refused_by_intake(
+        self, done: Round, row: Row, refusal: Refusal, composed: Composed
+    ) -> None:
+        if refusal.reason in _PASSING or (
+            refusal.error is not None and not is_bad_input(refusal.error)
+        ):
+            done.waiting += 1
+            return
+        problem = problem_of(refusal, self.outbox.org, composed, self.settings)
+        self._refuse(done, row, problem.detail)
+
+    def _refuse(self, done: Round, row: Row, detail: str) -> None:
+        log.info(
+            "outbox %s: row %d (key %r) refused: %s", self.outbox.name, row.id, row.key, detail
+        )
+        done.refused.append((row.id, detail))
+
+    async def _org(self) -> uuid.UUID:
+        if self._org_id is None:
+            self._org_id = await store_orgs.ensure_org(self.pool, self.outbox.org)
+        return self._org_id
+
+    async def _read_backlog(self, conn: asyncpg.Connection) -> None:
+        backlog = await self.table.backlog(conn)
+        name = self.outbox.name
+        metrics.OUTBOX_BACKLOG.labels(outbox=name).set(backlog.waiting)
+        metrics.OUTBOX_REFUSED.labels(outbox=name).set(backlog.refused)
+        age = 0.0
+        if backlog.oldest is not None:
+            age = max(0.0, (await conn.fetchval("SELECT now()") - backlog.oldest).total_seconds())
+        metrics.OUTBOX_OLDEST_AGE.labels(outbox=name).set(age)
+
+    async def _prune(self, conn: asyncpg.Connection) -> None:
+        retention = float(self.outbox.retention)
+        deleted = await self.table.prune(conn, retention)
+        try:
+            await outbox_keys.prune(self.pool, self.outbox.name, older_than=retention + KEY_MARGIN)
+        except DB_ERRORS as exc:
+            log.warning("outbox %s: old keys not pruned: %s", self.outbox.name, exc)
+        if deleted:
+            log.info(
+                "outbox %s: %d relayed row(s) past retention deleted", self.outbox.name, deleted
+            )
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+
+
+# Refusals that pass by themselves: the row waits for a later round.
+_PASSING = frozenset({Reason.RATE_LIMITED, Reason.DATABASE_TROUBLE})
+
+
+def _compose(row: Row, settings: Settings) -> Composed:
+    if row.message is not None:
+        return from_json(row.message.encode(), settings.limits)
+    assert row.raw is not None and row.mail_from is not None and row.rcpt_to is not None
+    return from_raw(row.raw, [row.mail_from], list(row.rcpt_to), settings.limits)
