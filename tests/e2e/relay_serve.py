@@ -66,10 +66,12 @@ def relay_config(
     api_port: int | None = None,
     tables: Mapping[str, Table] | None = None,
     listeners: Sequence[Table] = (),
+    outboxes: Sequence[Table] = (),
 ) -> Path:
     """The config: one `submission` listener on `submission_port` (its certificate `tls`, else the
     self-signed one) or none, and `listeners`; the API on `api_port` or none, mail to
-    `relayhost`, no delivery log; `tables` adds keys to these tables or adds tables."""
+    `relayhost`, no delivery log; `tables` adds keys to these tables or adds tables; `outboxes`
+    are [[outbox]] entries."""
     listener: dict[str, str | int | float | bool] = {}
     if submission_port is not None:
         listener = {
@@ -99,9 +101,10 @@ def relay_config(
     for name, keys in merged.items():
         lines.append(f"[{name}]")
         lines.extend(f"{_key(key)} = {_toml(value)}" for key, value in keys.items())
-    for one in every:
-        lines.append("[[listener]]")
-        lines.extend(f"{_key(key)} = {_toml(value)}" for key, value in one.items())
+    for kind, entries in (("listener", every), ("outbox", outboxes)):
+        for one in entries:
+            lines.append(f"[[{kind}]]")
+            lines.extend(f"{_key(key)} = {_toml(value)}" for key, value in one.items())
     return write_config(directory, "\n".join(lines) + "\n")
 
 

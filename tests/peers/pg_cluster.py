@@ -180,6 +180,41 @@ class Cluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+class LoneServer(Cluster):
+    """One private server (the `primary`, no standby) that a test may stop and start again: an
+    application's database that goes away."""
+
+    def start(self) -> None:
+        self._run(
+            "initdb", "-D", str(self.primary.data), "-U", "postgres", "--auth=trust", "-E", "UTF8"
+        )
+        with (self.primary.data / "postgresql.conf").open("a") as conf:
+            conf.write(
+                f"port = {self.primary.port}\n"
+                "listen_addresses = '127.0.0.1'\n"
+                f"unix_socket_directories = '{self.sockets}'\n"
+                "fsync = off\n"
+            )
+        self._pg_ctl(self.primary, "start")
+
+    def halt(self) -> None:
+        """Stop the server (fast shutdown: every connection is ended)."""
+        self._run("pg_ctl", "stop", "-m", "fast", "-w", "-t", "60", "-D", str(self.primary.data))
+
+    def restart(self) -> None:
+        self._pg_ctl(self.primary, "start")
+
+
+@contextlib.contextmanager
+def lone_server() -> Iterator[LoneServer]:
+    server = LoneServer()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
 @contextlib.contextmanager
 def primary_and_standby() -> Iterator[Cluster]:
     cluster = Cluster()
