@@ -132,6 +132,7 @@ async def relay_serve(
     sink: SinkState | None = None,
     setup: Sequence[Sequence[str]] = (),
     listeners: Sequence[Table] = (),
+    outboxes: Sequence[Table] = (),
 ) -> AsyncIterator[Relay]:
     """Org `acme` with `domain` (and `user`, (name, password), when given; then the `setup`
     commands, their output in `prepared`), a sink, and serve with
@@ -153,6 +154,7 @@ async def relay_serve(
             tls=tls,
             api_port=api_port,
             listeners=listeners,
+            outboxes=outboxes,
             tables={
                 **(tables or {}),
                 "server": {"processes": processes, **(tables or {}).get("server", {})},
