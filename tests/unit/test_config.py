@@ -281,3 +281,28 @@ def test_the_environment_names_the_data_directory(tmp_path: Path) -> None:
     assert load_settings(path, env={}).server.data_dir == "/srv/pigeon"
     moved = load_settings(path, env={"PIGEON_DATA_DIR": str(tmp_path / "data")})
     assert moved.server.data_dir == str(tmp_path / "data")
+
+
+OUTBOX = '[[outbox]]\nname = "shop"\ndatabase = "postgresql://shop@db/shop"\norg = "acme"\n'
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ('table = "Orders; DROP TABLE x"\n', r"bad 'outbox\[0\].table'"),
+        ("batch = 0\n", r"'outbox\[0\].batch' must be 1 to 1000"),
+        ('poll_interval = "0s"\n', "must be more than zero"),
+        ("\n" + OUTBOX, "outbox name 'shop' is used twice"),
+    ],
+)
+def test_outbox_settings_are_checked(tmp_path: Path, extra: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        load_settings(write(tmp_path, OUTBOX + extra), env={})
+
+
+def test_an_outbox_needs_its_database_and_org(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"missing key 'outbox\[0\].database'"):
+        load_settings(write(tmp_path, '[[outbox]]\nname = "shop"\norg = "acme"\n'), env={})
+    settings = load_settings(write(tmp_path, OUTBOX + 'table = "app.pigeon_outbox"\n'), env={})
+    [outbox] = settings.outbox
+    assert (outbox.table, outbox.batch, outbox.retention) == ("app.pigeon_outbox", 200, 7 * 86400)
