@@ -138,6 +138,7 @@ def reception_records(
                 envelope.auth_user,
                 len(envelope.body),
                 envelope.lane,
+                intent=_intent_of(envelope),
             ),
         )
         for recipient in envelope.recipients
@@ -145,11 +146,18 @@ def reception_records(
 
 
 def _reception_extra(
-    listener: str, helo: str | None, auth_user: str | None, size: int, lane: str | None = None
+    listener: str,
+    helo: str | None,
+    auth_user: str | None,
+    size: int,
+    lane: str | None = None,
+    *,
+    intent: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`lane`: the lane the message is delivered in (None for a Duplicate, which queued
     nothing). `kind`: "dsn" for a delivery status notification pigeon-mta made, else
-    "message" (model.message_kind, as the API and webhook events say)."""
+    "message" (model.message_kind, as the API and webhook events say). `intent`: the send
+    intent's fields that are set (expires_at, send_at, order_key, metadata)."""
     return {
         "listener": listener,
         "kind": message_kind(listener),
@@ -157,7 +165,21 @@ def _reception_extra(
         "auth_user": auth_user,
         "size": size,
         "lane": lane,
+        **{
+            k: timestamp_text(v) if isinstance(v, datetime) else v
+            for k, v in (intent or {}).items()
+        },
     }
+
+
+def _intent_of(e: Envelope) -> dict[str, Any]:
+    fields = {
+        "expires_at": e.expires_at,
+        "send_at": e.send_at,
+        "order_key": e.order_key,
+        "metadata": dict(e.metadata) if e.metadata else None,
+    }
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def duplicate_record(d: DuplicateRecord) -> Record:
@@ -280,7 +302,9 @@ def story_records(story: MessageStory) -> list[Record]:
             response=queued_reply(m.id),
             tls_version=m.tls_version,
             tls_cipher=m.tls_cipher,
-            extra=_reception_extra(m.listener, m.client_helo, m.auth_user, m.size, m.lane),
+            extra=_reception_extra(
+                m.listener, m.client_helo, m.auth_user, m.size, m.lane, intent=m.intent()
+            ),
         )
         for r in story.recipients
     ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -62,6 +63,9 @@ EVENT_TYPE = {
 # come after max_age (outbound/outcome.py, outbound/shaping.py; the last reply's own category is
 # kept in the rule), and the sweeper, for due mail past it (store/upkeep.py).
 EXPIRED_CATEGORY = "expired"
+# The category of a recipient that expired at its message's deadline (the send intent's
+# `expires_at`), not attempted again after it.
+DEADLINE_CATEGORY = "deadline"
 DSN_LISTENER = "bounce"
 
 
@@ -108,6 +112,12 @@ class Envelope:
     # API answers with them without reading them back) or by the group commit when it hands the
     # message off; else at the enqueue.
     recipient_ids: tuple[uuid.UUID, ...] = ()
+    # The send intent (intake/intent.py): no attempt after `expires_at`, none before `send_at`;
+    # mail of one `order_key` reaches each recipient in order; the application's `metadata`.
+    expires_at: datetime | None = None
+    send_at: datetime | None = None
+    order_key: str | None = None
+    metadata: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -209,6 +219,7 @@ class ClaimedRow:
     # took, and the seconds until that token is there.
     site: str | None = None
     site_delay: float = 0.0
+    expires_at: datetime | None = None  # the message's deadline (model.Envelope)
 
 
 @dataclass(frozen=True)
@@ -232,6 +243,8 @@ class Delivery:
     # The envelope sender it leaves with when that is not `sender`: a VERP address at a
     # return-path domain (feedback/return_paths.py), for its one recipient.
     mail_from: str | None = None
+    # The message's deadline: no attempt starts after it (outbound/outcome.py).
+    expires_at: datetime | None = None
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,14 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from email.header import Header
 from typing import Any
 
 from pigeon_mta.api import mime, problems
 from pigeon_mta.api.problems import Problem, shown
 from pigeon_mta.config import LimitsSettings
+from pigeon_mta.intake import intent as intents
 from pigeon_mta.intake.addresses import AddressProblem, Mailbox, mailbox_key, parse_mailbox
 from pigeon_mta.intake.lines import LINE_LIMIT, fold_long_lines, normalize_line_endings
 from pigeon_mta.message import split_header
@@ -42,6 +44,11 @@ JSON_FIELDS = frozenset(
         "headers",
         "attachments",
         "lane",
+        # The send intent (intake/intent.py).
+        "expires_at",
+        "send_at",
+        "order_key",
+        "metadata",
     }
 )
 ATTACHMENT_FIELDS = frozenset({"filename", "content_type", "content", "content_id"})
@@ -88,6 +95,7 @@ class Composed:
     recipients: tuple[str, ...]  # envelope recipients, each once, in the order given
     data: bytes  # the message, CRLF line endings
     lane: str | None  # the JSON `lane`, None when the request names none
+    intent: intents.Intent = intents.NONE  # the JSON `expires_at`, `send_at`, ...
 
 
 # ---------------------------------------------------------------- JSON
@@ -120,6 +128,10 @@ def from_json(body: bytes, limits: LimitsSettings) -> Composed:
     lane = _string(request, "lane")
     if text is None and html is None:
         raise Problem(problems.INVALID_FIELD, "The request needs a 'text' or an 'html' field.")
+    try:
+        intent = intents.from_json(request, datetime.now(UTC))
+    except intents.IntentError as exc:
+        raise Problem(problems.INVALID_FIELD, f"The field '{exc.name}' {exc.problem}.") from None
     headers: list[tuple[str, str | Header]] = [("From", mime.address_list([sender], "from"))]
     if to:
         headers.append(("To", mime.address_list(to, "to")))
@@ -138,7 +150,7 @@ def from_json(body: bytes, limits: LimitsSettings) -> Composed:
         tree = mime.with_attachments(tree, attachments)
     data = mime.flatten(headers, tree)
     _check_size(data, limits)
-    return Composed(sender[0], recipients, data, lane)
+    return Composed(sender[0], recipients, data, lane, intent)
 
 
 def _check_counts(request: Mapping[str, Any], limits: LimitsSettings) -> None:

@@ -17,6 +17,36 @@ from pigeon_mta.store import message_pages
 from pigeon_mta.store import suppression as store_suppression
 from pigeon_mta.store import webhooks as store_webhooks
 
+# The send intent's fields (intake/intent.py), in a JSON request and an outbox row alike.
+_TIME_OR_SECONDS: dict[str, Any] = {
+    "type": ["string", "number"],
+    "description": "an RFC 3339 time with its offset, or seconds from now",
+}
+_INTENT_FIELDS: dict[str, Any] = {
+    "expires_at": {
+        **_TIME_OR_SECONDS,
+        "description": "the deadline: no attempt starts after it; recipients not delivered by "
+        "then expire with the category `deadline` (an RFC 3339 time, or seconds from now)",
+    },
+    "send_at": {
+        **_TIME_OR_SECONDS,
+        "description": "not attempted before it (an RFC 3339 time, or seconds from now)",
+    },
+    "order_key": {
+        "type": "string",
+        "maxLength": 200,
+        "description": "within the org, mail with this key reaches each recipient in the order "
+        "it was accepted: the next is not attempted until the one before is final",
+    },
+    "metadata": {
+        "type": "object",
+        "maxProperties": 10,
+        "propertyNames": {"pattern": "^[a-z0-9][a-z0-9_-]{0,39}$"},
+        "additionalProperties": {"type": "string", "maxLength": 500},
+        "description": "the application's: shown by log and the API, carried in every webhook "
+        "event of the message, never delivered",
+    },
+}
 _ADDRESS = {"type": "string", "description": "addr@example.com or Name <addr@example.com>"}
 _ADDRESSES = {"oneOf": [_ADDRESS, {"type": "array", "items": _ADDRESS}]}
 
@@ -56,6 +86,7 @@ _JSON_MESSAGE: dict[str, Any] = {
             },
         },
         "lane": {"type": "string", "description": "a lane of [lanes]; else the key's lane"},
+        **_INTENT_FIELDS,
     },
 }
 
@@ -266,6 +297,11 @@ _RECIPIENT_EVENT: dict[str, Any] = {
                     "description": "the recipient's delivery attempt; null for feedback",
                 },
                 "kind": _KIND,
+                "metadata": {
+                    "type": "object",
+                    "additionalProperties": {"type": "string"},
+                    "description": "the message's metadata (the send intent's); {} for none",
+                },
                 "async": {"type": "boolean", "description": "reported by feedback, later"},
                 "feedback_type": {
                     "type": ["string", "null"],
@@ -349,6 +385,10 @@ _TIMELINE: dict[str, Any] = {
         "received_at": _TIME,
         "lane": {"type": "string"},
         "size": {"type": "integer"},
+        "expires_at": {"type": ["string", "null"], "format": "date-time"},
+        "send_at": {"type": ["string", "null"], "format": "date-time"},
+        "order_key": {"type": ["string", "null"]},
+        "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
         "recipients": {"type": "array", "items": {"$ref": "#/components/schemas/RecipientState"}},
         "events": {
             "type": "array",
@@ -592,6 +632,8 @@ def _list_operation() -> dict[str, Any]:
     return {
         "operationId": "listMessages",
         "summary": "The org's messages, newest first, a page at a time",
+        "description": "Besides the parameters below, `metadata.NAME=value` (as many as "
+        "wanted) keeps the messages whose metadata has each NAME with that value.",
         "security": [{"apiKey": []}],
         "parameters": [
             _query(

@@ -23,6 +23,7 @@ from pigeon_mta.api import problems
 from pigeon_mta.api.auth import Authenticator
 from pigeon_mta.api.problems import Problem
 from pigeon_mta.delivery_records import story_records, timestamp_text
+from pigeon_mta.intake.intent import META_NAME
 from pigeon_mta.model import message_kind
 from pigeon_mta.plain import is_digits
 from pigeon_mta.store import events as store_events
@@ -36,6 +37,8 @@ log = logging.getLogger("pigeon_mta.api")
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 500
 LIST_PARAMETERS = ("recipient", "message_id", "status", "since", "limit", "cursor")
+# `metadata.NAME=value`: messages whose metadata has NAME with that value (several: all of them).
+METADATA_PREFIX = "metadata."
 T = TypeVar("T")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -75,6 +78,10 @@ class MessageReader:
                 "received_at": timestamp_text(m.received_at),
                 "lane": m.lane,
                 "size": m.size,
+                "expires_at": timestamp_text(m.expires_at) if m.expires_at else None,
+                "send_at": timestamp_text(m.send_at) if m.send_at else None,
+                "order_key": m.order_key,
+                "metadata": m.metadata,
                 "recipients": [_recipient_state(r) for r in story.recipients],
                 "events": story_records(story),
             }
@@ -136,9 +143,16 @@ def _recipient_state(r: RecipientRecord) -> dict[str, Any]:
 
 def _list_query(request: web.Request) -> tuple[Filters, Position | None, int]:
     query = request.query
+    metadata = []
     for name in query:
-        if name not in LIST_PARAMETERS:
-            raise _bad(name, f"is not a parameter of this listing ({', '.join(LIST_PARAMETERS)})")
+        if name.startswith(METADATA_PREFIX):
+            meta = name.removeprefix(METADATA_PREFIX)
+            if not META_NAME.fullmatch(meta):
+                raise _bad(name, "must name metadata as the send intent does (a-z, 0-9, '-', '_')")
+            metadata.append((meta, query[name]))
+        elif name not in LIST_PARAMETERS:
+            known = ", ".join((*LIST_PARAMETERS, METADATA_PREFIX + "NAME"))
+            raise _bad(name, f"is not a parameter of this listing ({known})")
         if len(query.getall(name)) > 1:
             raise _bad(name, "is given more than once")
     recipient = query.get("recipient")
@@ -159,6 +173,7 @@ def _list_query(request: web.Request) -> tuple[Filters, Position | None, int]:
         header_id=header_id,
         status=status,
         since=_parsed(query, "since", _timestamp, "must be an ISO 8601 date or time"),
+        metadata=tuple(metadata),
     )
     limit = _parsed(query, "limit", _whole, f"must be a whole number from 1 to {MAX_LIMIT}")
     if limit is not None and not 1 <= limit <= MAX_LIMIT:

@@ -98,6 +98,7 @@ class SendHandler:
             recipients=composed.recipients,
             data=composed.data,
             lane=composed.lane,
+            intent=composed.intent,
             # The request as the client sent it: a retry sends the same bytes.
             content_key=hashlib.blake2b(body, digest_size=16).digest(),
             queue_id=queue_id,
@@ -262,6 +263,11 @@ def problem_of(refusal: Refusal, org: str, composed: Composed, settings: Setting
             problems.UNKNOWN_LANE,
             f"The lane '{shown(composed.lane or '')}' in 'lane' is not a lane of the server "
             f"(lanes: {known}).",
+        )
+    if reason is Reason.BAD_INTENT:
+        return Problem(
+            problems.INVALID_HEADER,
+            f"The {shown(refusal.intent_field)} field of the message {refusal.intent_problem}.",
         )
     if reason in (Reason.UNKNOWN_LANE, Reason.LANES_DIFFER):
         return Problem(

@@ -80,6 +80,16 @@ def print_story(story: MessageStory, now: datetime) -> None:
         "received": _reception(story),
         "recipients": ", ".join(r.address for r in story.recipients) or "(none)",
     }
+    if m.send_at is not None:
+        details["scheduled"] = f"not attempted before {_time(m.send_at)} UTC (send_at)"
+    if m.expires_at is not None:
+        details["deadline"] = f"no attempt after {_time(m.expires_at)} UTC (expires_at)"
+    if m.order_key is not None:
+        details["order key"] = (
+            f"{m.order_key} (each recipient gets it after the org's earlier mail of the key)"
+        )
+    if m.metadata:
+        details["metadata"] = ", ".join(f"{k}={v}" for k, v in sorted(m.metadata.items()))
     if m.reuses is not None:
         details["duplicate?"] = (
             f"no: message {m.reuses} has the same Message-ID and other content, within "

@@ -7,7 +7,7 @@
 3. the fixups (fixups.py): a Received field, or for HTTP an X-Pigeon-Submitted field, a
    Message-ID or Date where missing, forged Authentication-Results and X-Pigeon-Lane taken out;
 4. the originator fields against the sender policy;
-5. the lane (lanes.py);
+5. the send intent of its X-Pigeon-* fields and the door's (intent.py), and the lane (lanes.py);
 6. the commit, shared with other messages of the process by the group commit
    (store/group_commit.py, which hands the message to this process's engine or wakes the
    engines), shielded: a client that goes away does not cancel it half-way, and a message
@@ -37,6 +37,7 @@ from pigeon_mta.config import Settings
 from pigeon_mta.delivery_log import DeliveryLog
 from pigeon_mta.ids import new_id, new_ids
 from pigeon_mta.intake.fixups import Fixed, TooManyHops, Trace, apply_fixups
+from pigeon_mta.intake.intent import IntentError, from_fields
 from pigeon_mta.intake.lanes import choose_lane
 from pigeon_mta.intake.policy import SenderPolicy
 from pigeon_mta.intake.reception import Reception, announce
@@ -179,6 +180,11 @@ class Intake:
             return _database_trouble(exc, f"cannot check the originators from {client}")
         if refusal is not None:
             return refusal
+        try:
+            intent = submission.intent.over(from_fields(fixed.intent_fields, received_at))
+        except IntentError as exc:
+            log.info("message from %s refused: %s", client, exc)
+            return Refusal(Reason.BAD_INTENT, intent_field=exc.name, intent_problem=exc.problem)
         lanes = self.settings.lanes
         lane = choose_lane(
             fixed.lane_fields,
@@ -216,6 +222,10 @@ class Intake:
             recipient_ids=tuple(new_ids(len(submission.recipients)))
             if submission.recipient_ids
             else (),
+            expires_at=intent.expires_at,
+            send_at=intent.send_at if intent.send_at and intent.send_at > received_at else None,
+            order_key=intent.order_key,
+            metadata=intent.metadata or None,
         )
         reception = Reception(queue_id, envelope, auth_param=door.auth_param)
         return Prepared(reception, repeatable=submission.repeatable)

@@ -2,8 +2,9 @@
 
 Line endings become CRLF, a missing Message-ID or Date is added at the end of the header, and a
 Received and an Authentication-Results header (RFC 8601, built with authres) go on top. The
-X-Pigeon-Lane fields, a request to pigeon-mta itself (intake/lanes.py), are taken out, so that
-they are never signed or delivered. Nothing else in the message is touched.
+X-Pigeon-* fields, requests to pigeon-mta itself (the lane, intake/lanes.py; the send intent,
+intake/intent.py), are taken out, so that they are never signed or delivered; X-Pigeon-Submitted,
+a trace field, stays. Nothing else in the message is touched.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from pigeon_mta.message import (
 
 # The field a client names the lane of its message with (intake/lanes.py).
 LANE_FIELD = b"x-pigeon-lane"
+# The fields of requests to pigeon-mta, and the one of them that is a trace field.
+PIGEON_PREFIX = b"x-pigeon-"
+TRACE_FIELD = b"x-pigeon-submitted"
 
 _HELO_UNSAFE = re.compile(r"[^\x21-\x27\x2a-\x5b\x5d-\x7e]")  # no space, parentheses, backslash
 
@@ -63,6 +67,9 @@ class Fixed:
     address_fields: list[tuple[str, str]]
     # The values of the X-Pigeon-Lane fields the client wrote, in order (the fields are removed).
     lane_fields: tuple[str, ...] = ()
+    # Every other X-Pigeon-* field it wrote but X-Pigeon-Submitted, (name as written, value), in
+    # order: the send intent's (intake/intent.py). Removed too.
+    intent_fields: tuple[tuple[str, str], ...] = ()
     # BLAKE2b-128 of the message's body as the client sent it (line endings made CRLF): the
     # same message sent again has the same digest.
     content_digest: bytes = b""
@@ -95,8 +102,14 @@ def apply_fixups(
         raise TooManyHops(f"the message passed {max_hops} hosts already")
     named = [(n, f) for n, f in named if not _forged_results(n, f, trace.hostname)]
     lane_fields = tuple(field_value(f) for n, f in named if n == LANE_FIELD)
-    if lane_fields:
-        named = [(n, f) for n, f in named if n != LANE_FIELD]
+    requests = [(n, f) for n, f in named if n.startswith(PIGEON_PREFIX) and n != TRACE_FIELD]
+    intent_fields = tuple(
+        (f.split(b":", 1)[0].strip().decode("ascii", "replace"), field_value(f))
+        for n, f in requests
+        if n != LANE_FIELD
+    )
+    if requests:
+        named = [(n, f) for n, f in named if not (n.startswith(PIGEON_PREFIX) and n != TRACE_FIELD)]
     fields = [f for _n, f in named]
     names = {n for n, _f in named}
     added: list[bytes] = []
@@ -113,7 +126,7 @@ def apply_fixups(
         top = received_header(trace) + authentication_results(trace)
     out = b"".join((top, *fields, *added, rest))
     originators = [(n.decode("ascii"), field_value(f)) for n, f in named if n in ORIGINATOR_FIELDS]
-    return Fixed(out, header_message_id, originators, lane_fields, digest)
+    return Fixed(out, header_message_id, originators, lane_fields, intent_fields, digest)
 
 
 def received_header(trace: Trace) -> bytes:

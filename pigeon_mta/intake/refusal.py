@@ -19,6 +19,7 @@ class Reason(enum.Enum):
     TOO_MANY_HOPS = "the message has limits.max_hops Received fields already"
     UNKNOWN_LANE = "a lane was asked for that the server does not have"
     LANES_DIFFER = "the X-Pigeon-Lane fields name different lanes"
+    BAD_INTENT = "an X-Pigeon-* field is unknown or its value cannot be taken"
     DATABASE_TROUBLE = "the database could not be asked"
     # The commit failed: the message is not queued, unless the commit happened with its answer
     # lost (a connection broken during it); `error` says which.
@@ -36,4 +37,7 @@ class Refusal:
     # UNKNOWN_LANE: asked by the submission itself (the API's `lane`), not by X-Pigeon-Lane.
     asked_by_request: bool = False
     recent: int = 0  # RATE_LIMITED: the messages counted within the window
+    # BAD_INTENT: the field as the client wrote it, and what is wrong with it.
+    intent_field: str = ""
+    intent_problem: str = ""
     error: BaseException | None = None  # DATABASE_TROUBLE / COMMIT_FAILED

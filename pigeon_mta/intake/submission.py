@@ -7,6 +7,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pigeon_mta.intake.intent import NONE, Intent
+
 
 @dataclass(frozen=True)
 class Submitter:
@@ -54,6 +56,9 @@ class Submission:
     recipients: tuple[str, ...]  # each once, in the order given
     data: bytes  # the message as the client sent it
     lane: str | None = None  # the lane the submission names itself (the API's `lane`)
+    # The send intent the submission states itself (the API's JSON fields); the message's
+    # X-Pigeon-* fields fill in what it leaves unset.
+    intent: Intent = NONE
     # BLAKE2b-128 of what the client sent, for the duplicate rule; None: the digest of the
     # message's body (fixups.Fixed.content_digest).
     content_key: bytes | None = None

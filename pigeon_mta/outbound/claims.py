@@ -59,6 +59,7 @@ def group_deliveries(
                 lane=first.lane,
                 site=first.site,
                 site_delay=max(row.site_delay for row in members),
+                expires_at=first.expires_at,
             )
         )
     deliveries.sort(key=lambda d: (d.received_at, d.queue_id))

@@ -36,7 +36,7 @@ from pigeon_mta.outbound.budgets import Budgets
 from pigeon_mta.outbound.claims import Claims, group_deliveries
 from pigeon_mta.outbound.courier import Courier, Postponed, Signer, unsigned
 from pigeon_mta.outbound.mx import Router
-from pigeon_mta.outbound.outcome import split_suppressed
+from pigeon_mta.outbound.outcome import split_past_deadline, split_suppressed
 from pigeon_mta.outbound.recorder import EventHandoff, Recorder
 from pigeon_mta.outbound.room import Room, finish_task, wait_any
 from pigeon_mta.store import claims as store_claims
@@ -260,10 +260,13 @@ class DeliveryEngine:
 
     def _start(self, deliveries: Sequence[Delivery]) -> None:
         """Deliver claimed work. Recipients on their org's suppression list (read by the claim,
-        or by the enqueue of handed-off mail) are recorded `suppressed`, not attempted. A list
+        or by the enqueue of handed-off mail) are recorded `suppressed`, not attempted; those of a
+        message past its deadline `expired`. A list
         that cannot be read fails that statement: nobody is mailed whom the list might hold."""
-        deliveries, suppressed = split_suppressed(deliveries, now=datetime.now(UTC))
-        self.recorder.submit(suppressed)
+        now = datetime.now(UTC)
+        deliveries, suppressed = split_suppressed(deliveries, now=now)
+        deliveries, expired = split_past_deadline(deliveries, now=now)
+        self.recorder.submit([*suppressed, *expired])
         for d in deliveries:
             self._spawn(d)
 

@@ -10,11 +10,12 @@ import dataclasses
 import random
 import re
 from collections.abc import Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from pigeon_mta.backoff import backoff_delay
 from pigeon_mta.config import DeliverySettings
 from pigeon_mta.model import (
+    DEADLINE_CATEGORY,
     EXPIRED_CATEGORY,
     AttemptResult,
     ClaimedRecipient,
@@ -37,6 +38,7 @@ from pigeon_mta.signer import KeysUnavailable
 # Outcomes that end a recipient's delivery in failure and so are reported to the sender.
 FAILED_OUTCOMES = frozenset({Outcome.BOUNCED, Outcome.EXPIRED})
 SUPPRESSED_RULE = "suppression-list"
+DEADLINE_RULE = "deadline"
 
 
 def judge(
@@ -63,6 +65,7 @@ def judge(
             verdict = give_up_repeated_failure(verdict, item.recipient.last_reply)
         verdict = rate_limits_are_temporary(verdict)
         outcome, rule, next_at = verdict.outcome, verdict.rule, None
+        deadline = False
         if outcome == Outcome.DEFERRED:
             delay = backoff_delay(
                 item.recipient.attempts, settings.retry_initial, settings.retry_max, rng
@@ -71,12 +74,16 @@ def judge(
             if next_at > item.recipient.queued_at + age_limit:
                 # The next try would come after max_age: give up now, with this reply.
                 outcome, rule, next_at = Outcome.EXPIRED, f"{rule}; max-age", None
+            elif delivery.expires_at is not None and next_at >= delivery.expires_at:
+                # ... or after the message's deadline.
+                outcome, rule, next_at = Outcome.EXPIRED, f"{rule}; {DEADLINE_RULE}", None
+                deadline = True
         category = None
         if outcome != Outcome.DELIVERED:
             bounce_class = classify_reply(verdict.reply)
             category, rule = str(bounce_class.category), f"{rule}; {bounce_class.rule}"
             if outcome == Outcome.EXPIRED:
-                category = EXPIRED_CATEGORY
+                category = DEADLINE_CATEGORY if deadline else EXPIRED_CATEGORY
             if next_at is not None and bounce_class.category == Category.RATE_LIMITED:
                 next_at = _after_stated_delay(next_at, verdict.reply, now)
         out.append(
@@ -144,6 +151,45 @@ def split_suppressed(
         elif remaining:
             keep.append(dataclasses.replace(delivery, recipients=remaining))
     return keep, results
+
+
+def split_past_deadline(
+    deliveries: Sequence[Delivery], *, now: datetime
+) -> tuple[list[Delivery], list[AttemptResult]]:
+    """Split claimed work into what may be attempted and the `expired` results of the
+    deliveries whose message's deadline (the send intent's `expires_at`) has passed: no
+    attempt starts after it."""
+    keep: list[Delivery] = []
+    results: list[AttemptResult] = []
+    for delivery in deliveries:
+        if delivery.expires_at is None or delivery.expires_at > now:
+            keep.append(delivery)
+            continue
+        results.extend(_deadline_result(delivery, r, now) for r in delivery.recipients)
+    return keep, results
+
+
+def _deadline_result(delivery: Delivery, r: ClaimedRecipient, now: datetime) -> AttemptResult:
+    assert delivery.expires_at is not None
+    last = r.last_reply
+    text = f"not attempted: the message's deadline {_utc(delivery.expires_at)} has passed" + (
+        f"; last reply: {last.text}" if last is not None and last.text else ""
+    )
+    return AttemptResult(
+        recipient_id=r.id,
+        queue_id=delivery.queue_id,
+        org_id=delivery.org_id,
+        attempt=r.attempts,
+        outcome=Outcome.EXPIRED,
+        reply=Reply(last.code if last else 0, last.enhanced_code if last else None, text),
+        started_at=now,
+        category=DEADLINE_CATEGORY,
+        rule=DEADLINE_RULE,
+    )
+
+
+def _utc(when: datetime) -> str:
+    return when.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def interrupted_after_data(

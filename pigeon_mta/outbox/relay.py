@@ -275,6 +275,7 @@ class OutboxRelay:
             recipients=composed.recipients,
             data=composed.data,
             lane=composed.lane,
+            intent=composed.intent,
             content_key=hashlib.blake2b(
                 (row.message or "").encode() + (row.raw or b""), digest_size=16
             ).digest(),

@@ -35,6 +35,19 @@ from pigeon_mta.store.suppression import SUPPRESSION_ACTIVE
 # to the same tenant. One org's backlog of any size thus delays another org's due mail by at
 # most one claim.
 #
+# A recipient of a message with an ordering key (the send intent's `order_key`) is taken only
+# when no recipient of an earlier message of its org, with the same key and address, is still
+# queued or being delivered (index recipient_order, migration 0031): mail of one key reaches each
+# recipient in the order it was accepted, and mail without a key is never held by it. Only these
+# two claims need the rule: a recipient enters a site's queue or the retry queue after a claim
+# took it, and a keyed message is never handed off at its commit (store/group_commit.py).
+_IN_ORDER = """(recipient.order_key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM recipient e
+            WHERE e.org_id = recipient.org_id AND e.order_key = recipient.order_key
+              AND lower(e.address) = lower(recipient.address)
+              AND e.message_id < recipient.message_id
+              AND e.status IN ('queued', 'delivering')))"""
+
 # `groups` walks the partial index recipient_due_group (org_id, lane, next_attempt_at) of queued
 # rows one (org, lane) at a time (a skip scan: one index descent per group, whatever the rows per
 # group, landing on the group's oldest row); `due` keeps those whose oldest row is due; `lanes`
@@ -103,7 +116,7 @@ WITH RECURSIVE groups AS (
     CROSS JOIN LATERAL (
         SELECT id FROM recipient
         WHERE status = 'queued' AND org_id = s.org_id AND lane = s.lane
-          AND site IS NULL AND next_attempt_at <= now()
+          AND site IS NULL AND next_attempt_at <= now() AND {_IN_ORDER}
         ORDER BY next_attempt_at LIMIT least(s.share, s.room)
         FOR UPDATE SKIP LOCKED) x
     LIMIT (SELECT n FROM batch)
@@ -116,7 +129,7 @@ WITH RECURSIVE groups AS (
     CROSS JOIN LATERAL (
         SELECT id FROM recipient
         WHERE status = 'queued' AND org_id = s.org_id AND lane = s.lane
-          AND site IS NULL AND next_attempt_at <= now()
+          AND site IS NULL AND next_attempt_at <= now() AND {_IN_ORDER}
           AND id <> ALL (ARRAY (SELECT id FROM fair))
         -- The group's room less its fair rows: every row taken is kept, so the batch fills.
         ORDER BY next_attempt_at
@@ -154,7 +167,7 @@ SELECT m.id AS queue_id, m.org_id, m.sender, m.header_message_id, m.received_at,
        -- The org's suppression list, read by the claim itself (one statement less per round;
        -- if it cannot be read, nothing is claimed). Addresses compare as the list stores them.
        s.reason AS suppressed,
-       c.site, p.delay AS site_delay
+       c.site, p.delay AS site_delay, m.expires_at
 FROM c JOIN message m ON m.id = c.message_id
 LEFT JOIN suppression s ON s.org_id = m.org_id AND s.address = lower(c.address)
                        AND {SUPPRESSION_ACTIVE}
@@ -163,7 +176,7 @@ UNION ALL
 -- When the claim should come back for the sites it could not serve: one row without a
 -- recipient, if any.
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       NULL, NULL, min(delay)
+       NULL, NULL, min(delay), NULL
 FROM by_site WHERE id IS NULL HAVING count(*) > 0
 """
 
@@ -231,6 +244,7 @@ async def claim_due_recipients(
                 lane=row["lane"],
                 site=row["site"],
                 site_delay=row["site_delay"] or 0.0,
+                expires_at=row["expires_at"],
                 recipient=ClaimedRecipient(
                     id=row["id"],
                     address=row["address"],

@@ -155,16 +155,19 @@ WITH reused AS (
 ), m AS (
     INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
                          client_ip, client_helo, credential_id, auth_user, received_at,
-                         tls_version, tls_cipher, lane, reuses)
+                         tls_version, tls_cipher, lane, reuses, expires_at, send_at, order_key,
+                         metadata)
     SELECT :id, :org_id, :sender::text, :header_message_id::text, :size::int, :body::bytea, :listener::text, :client_ip::inet, :client_helo::text,
            :credential_id::uuid, :auth_user::text, COALESCE(:received_at::timestamptz, now()), :tls_version::text, :tls_cipher::text,
-           :lane::text, (SELECT queue_id FROM reused)
+           :lane::text, (SELECT queue_id FROM reused), :expires_at::timestamptz, :send_at::timestamptz,
+           :order_key::text, :metadata::jsonb
     WHERE EXISTS (SELECT 1 FROM k WHERE k.owner = :id)
-    RETURNING id, org_id, received_at, lane
+    RETURNING id, org_id, COALESCE(send_at, received_at) AS queued_at, lane, order_key
 ), r AS (
     INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at,
-                           lane)
-    SELECT k.id, m.id, m.org_id, k.address, k.domain, m.received_at, m.received_at, m.lane
+                           lane, order_key)
+    SELECT k.id, m.id, m.org_id, k.address, k.domain, m.queued_at, m.queued_at, m.lane,
+           m.order_key
     FROM m JOIN k ON k.owner = m.id
 ), reply AS (
     SELECT owner AS id FROM k ORDER BY owner = :id DESC, owner LIMIT 1
@@ -221,23 +224,27 @@ WITH u AS (
 ), m AS (
     INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
                          client_ip, client_helo, credential_id, auth_user, received_at,
-                         tls_version, tls_cipher, lane, reuses)
+                         tls_version, tls_cipher, lane, reuses, expires_at, send_at, order_key,
+                         metadata)
     SELECT w.id, w.org_id, w.sender, w.header_message_id, w.size, w.body, w.listener,
            w.client_ip, w.client_helo, w.credential_id, w.auth_user,
            COALESCE(w.received_at, now()), w.tls_version, w.tls_cipher, w.lane,
-           (SELECT r.queue_id FROM reused r WHERE r.id = w.id)
+           (SELECT r.queue_id FROM reused r WHERE r.id = w.id), w.expires_at, w.send_at,
+           w.order_key, w.metadata
     FROM unnest(:id::uuid[], :org_id::uuid[], :sender::text[], :header_message_id::text[], :size::int[], :body::bytea[],
                 :listener::text[], :client_ip::inet[], :client_helo::text[], :credential_id::uuid[], :auth_user::text[],
-                :received_at::timestamptz[], :tls_version::text[], :tls_cipher::text[], :lane::text[])
+                :received_at::timestamptz[], :tls_version::text[], :tls_cipher::text[], :lane::text[],
+                :expires_at::timestamptz[], :send_at::timestamptz[], :order_key::text[], :metadata::jsonb[])
          AS w (id, org_id, sender, header_message_id, size, body, listener, client_ip,
                client_helo, credential_id, auth_user, received_at, tls_version, tls_cipher,
-               lane)
+               lane, expires_at, send_at, order_key, metadata)
     WHERE EXISTS (SELECT 1 FROM k WHERE k.message_id = w.id AND k.owner = w.id)
-    RETURNING id, org_id, received_at, lane
+    RETURNING id, org_id, COALESCE(send_at, received_at) AS queued_at, lane, order_key
 ), r AS (
     INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at,
-                           lane)
-    SELECT k.id, m.id, m.org_id, k.address, k.domain, m.received_at, m.received_at, m.lane
+                           lane, order_key)
+    SELECT k.id, m.id, m.org_id, k.address, k.domain, m.queued_at, m.queued_at, m.lane,
+           m.order_key
     FROM m JOIN k ON k.message_id = m.id AND k.owner = m.id
 ), dm AS (  -- the messages with duplicates, without their bodies
     SELECT * FROM unnest(:id::uuid[], :org_id::uuid[], :sender::text[], :header_message_id::text[], :size::int[],

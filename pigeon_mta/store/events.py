@@ -8,10 +8,12 @@ recipient_message and attempt_recipient.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 import asyncpg
 
@@ -42,6 +44,21 @@ class MessageRecord:
     # The message queued earlier under the same Message-ID with other content, within the
     # duplicate window: this one was not taken for a duplicate of it.
     reuses: uuid.UUID | None = None
+    # The send intent (intake/intent.py); metadata {} when it has none.
+    expires_at: datetime | None = None
+    send_at: datetime | None = None
+    order_key: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def intent(self) -> dict[str, Any]:
+        """The intent's fields that are set, by their API names."""
+        fields = {
+            "expires_at": self.expires_at,
+            "send_at": self.send_at,
+            "order_key": self.order_key,
+            "metadata": self.metadata or None,
+        }
+        return {name: value for name, value in fields.items() if value is not None}
 
 
 @dataclass(frozen=True)
@@ -105,7 +122,8 @@ class MessageStory:
 
 _MESSAGE_COLUMNS = """m.id, m.org_id, o.name AS org_name, m.sender, m.header_message_id, m.size,
     m.received_at, m.listener, host(m.client_ip) AS client_ip, m.client_helo, m.auth_user,
-    m.tls_version, m.tls_cipher, m.lane, m.reuses"""
+    m.tls_version, m.tls_cipher, m.lane, m.reuses, m.expires_at, m.send_at, m.order_key,
+    m.metadata::text AS metadata"""
 
 _BY_QUEUE_ID = f"""
 SELECT {_MESSAGE_COLUMNS} FROM message m JOIN org o ON o.id = m.org_id WHERE m.id = $1
@@ -155,6 +173,10 @@ def _message(row: asyncpg.Record) -> MessageRecord:
         tls_cipher=row["tls_cipher"],
         lane=row["lane"],
         reuses=row["reuses"],
+        expires_at=row["expires_at"],
+        send_at=row["send_at"],
+        order_key=row["order_key"],
+        metadata=json.loads(row["metadata"]) if row["metadata"] else {},
     )
 
 

@@ -146,6 +146,9 @@ class GroupCommit:
         """The envelope with a handoff when the engine has room for it."""
         if self._engine is None or envelope.received_at is None:
             return envelope
+        if envelope.send_at is not None or envelope.order_key is not None:
+            # Not before its time, nor before the mail ahead of it: the claim decides.
+            return envelope
         room = self._engine.reserve(len(envelope.recipients), envelope.org_id)
         if room is None:
             return envelope
@@ -169,6 +172,7 @@ class GroupCommit:
                             domain=recipient_domain(address),
                             body=e.body,
                             lane=e.lane,
+                            expires_at=e.expires_at,
                             recipient=ClaimedRecipient(
                                 id=rid,
                                 address=address,

@@ -22,6 +22,7 @@ Each variant is its own statement text, so that PostgreSQL plans it with the fil
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,6 +61,8 @@ class Filters:
     header_id: str | None = None  # the Message-ID header value, without angle brackets
     status: str | None = None  # one of STATUSES: messages with a recipient in that state
     since: datetime | None = None  # received at or after
+    # (name, value) pairs the message's metadata (the send intent's) must all have.
+    metadata: Sequence[tuple[str, str]] = ()
 
 
 class _Arguments:
@@ -103,6 +106,10 @@ def listing_statement(
     """The statement of list_messages and its arguments (the plan tests EXPLAIN it)."""
     arg = _Arguments()
     org = arg(org_id)
+    if filters.metadata:
+        # Few messages of an org share a metadata value: the org's messages, newest first,
+        # through the metadata's index, and the other filters on those.
+        return _of_org(arg, org, filters, after, limit), arg.values
     if filters.addresses:
         return _to_address(arg, org, filters, after, limit), arg.values
     if filters.status in FAILED and filters.header_id is None:
@@ -122,6 +129,13 @@ def _of_org(arg: _Arguments, org: str, filters: Filters, after: Position | None,
         where.append(
             "EXISTS (SELECT 1 FROM recipient r "
             f"WHERE r.message_id = m.id AND r.status = {arg(filters.status)})"
+        )
+    if filters.metadata:
+        where.append(f"m.metadata @> {arg(json.dumps(dict(filters.metadata)))}::jsonb")
+    if filters.addresses:
+        where.append(
+            "EXISTS (SELECT 1 FROM recipient r WHERE r.message_id = m.id "
+            f"AND r.address = ANY ({arg(list(filters.addresses))}::text[]))"
         )
     return f"""
 SELECT m.id, m.header_message_id, m.received_at, m.lane, m.listener FROM message m

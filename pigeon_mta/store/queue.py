@@ -6,6 +6,7 @@ accepted message is never half-queued. Claiming is store/leases.py's, recording 
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from collections.abc import Sequence
@@ -40,7 +41,8 @@ def recipient_domain(address: str) -> str:
 ONE_PARAMETERS = (
     "id", "org_id", "sender", "header_message_id", "size", "body", "listener", "client_ip",
     "client_helo", "credential_id", "auth_user", "recipient_ids", "addresses", "domains",
-    "received_at", "tls_version", "tls_cipher", "lane", "lease_owner", "lease",
+    "received_at", "tls_version", "tls_cipher", "lane", "lease_owner", "lease", "expires_at",
+    "send_at", "order_key", "metadata",
 )  # fmt: skip
 # Of a batch: one array per parameter, one element per message, but recipient_ids,
 # recipient_queue_ids, addresses, domains, lease_owner and lease: one element per recipient.
@@ -48,7 +50,7 @@ MANY_PARAMETERS = (
     "id", "org_id", "sender", "header_message_id", "size", "body", "listener", "client_ip",
     "client_helo", "credential_id", "auth_user", "recipient_ids", "recipient_queue_ids",
     "addresses", "domains", "received_at", "tls_version", "tls_cipher", "lane", "lease_owner",
-    "lease",
+    "lease", "expires_at", "send_at", "order_key", "metadata",
 )  # fmt: skip
 # What a message queued straight into its process's engine has besides (model.Handoff).
 HANDOFF_PARAMETERS = ("lease_owner", "lease")
@@ -77,17 +79,19 @@ _ENQUEUE_ONE_TEMPLATE = """
 WITH {before}m AS (
     INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
                          client_ip, client_helo, credential_id, auth_user, received_at,
-                         tls_version, tls_cipher, lane)
+                         tls_version, tls_cipher, lane, expires_at, send_at, order_key, metadata)
     VALUES (:id, :org_id, :sender, :header_message_id, :size, :body, :listener, :client_ip::inet, :client_helo, :credential_id, :auth_user,
-            COALESCE(:received_at::timestamptz, now()), :tls_version, :tls_cipher, :lane)
-    RETURNING id, org_id, received_at, lane
+            COALESCE(:received_at::timestamptz, now()), :tls_version, :tls_cipher, :lane,
+            :expires_at::timestamptz, :send_at::timestamptz, :order_key::text, :metadata::jsonb)
+    RETURNING id, org_id, COALESCE(send_at, received_at) AS queued_at, lane, order_key
 ), r AS (
     INSERT INTO recipient AS t (id, message_id, org_id, address, domain, created_at,
-                                next_attempt_at, lane, status, attempts, lease_owner, lease_until)
-    SELECT u.id, m.id, m.org_id, u.address, u.domain, m.received_at, m.received_at, m.lane,
+                                next_attempt_at, lane, status, attempts, lease_owner, lease_until,
+                                order_key)
+    SELECT u.id, m.id, m.org_id, u.address, u.domain, m.queued_at, m.queued_at, m.lane,
            CASE WHEN :lease_owner::text IS NULL THEN 'queued' ELSE 'delivering' END,
            CASE WHEN :lease_owner::text IS NULL THEN 0 ELSE 1 END,
-           :lease_owner::text, now() + make_interval(secs => :lease::float8)
+           :lease_owner::text, now() + make_interval(secs => :lease::float8), m.order_key
     FROM m, unnest(:recipient_ids::uuid[], :addresses::text[], :domains::text[]) AS u (id, address, domain)
     RETURNING t.id, t.org_id, t.address, t.lease_owner
 )
@@ -97,24 +101,27 @@ _ENQUEUE_MANY_TEMPLATE = """
 WITH {before}m AS (
     INSERT INTO message (id, org_id, sender, header_message_id, size, body, listener,
                          client_ip, client_helo, credential_id, auth_user, received_at,
-                         tls_version, tls_cipher, lane)
+                         tls_version, tls_cipher, lane, expires_at, send_at, order_key, metadata)
     SELECT u.id, u.org_id, u.sender, u.header_message_id, u.size, u.body, u.listener,
            u.client_ip, u.client_helo, u.credential_id, u.auth_user,
-           COALESCE(u.received_at, now()), u.tls_version, u.tls_cipher, u.lane
+           COALESCE(u.received_at, now()), u.tls_version, u.tls_cipher, u.lane,
+           u.expires_at, u.send_at, u.order_key, u.metadata
     FROM unnest(:id::uuid[], :org_id::uuid[], :sender::text[], :header_message_id::text[], :size::int[], :body::bytea[],
                 :listener::text[], :client_ip::inet[], :client_helo::text[], :credential_id::uuid[], :auth_user::text[],
-                :received_at::timestamptz[], :tls_version::text[], :tls_cipher::text[], :lane::text[])
+                :received_at::timestamptz[], :tls_version::text[], :tls_cipher::text[], :lane::text[],
+                :expires_at::timestamptz[], :send_at::timestamptz[], :order_key::text[], :metadata::jsonb[])
          AS u (id, org_id, sender, header_message_id, size, body, listener, client_ip,
                client_helo, credential_id, auth_user, received_at, tls_version, tls_cipher,
-               lane)
-    RETURNING id, org_id, received_at, lane
+               lane, expires_at, send_at, order_key, metadata)
+    RETURNING id, org_id, COALESCE(send_at, received_at) AS queued_at, lane, order_key
 ), r AS (
     INSERT INTO recipient AS t (id, message_id, org_id, address, domain, created_at,
-                                next_attempt_at, lane, status, attempts, lease_owner, lease_until)
-    SELECT u.id, m.id, m.org_id, u.address, u.domain, m.received_at, m.received_at, m.lane,
+                                next_attempt_at, lane, status, attempts, lease_owner, lease_until,
+                                order_key)
+    SELECT u.id, m.id, m.org_id, u.address, u.domain, m.queued_at, m.queued_at, m.lane,
            CASE WHEN u.lease_owner IS NULL THEN 'queued' ELSE 'delivering' END,
            CASE WHEN u.lease_owner IS NULL THEN 0 ELSE 1 END,
-           u.lease_owner, now() + make_interval(secs => u.lease)
+           u.lease_owner, now() + make_interval(secs => u.lease), m.order_key
     FROM unnest(:recipient_ids::uuid[], :recipient_queue_ids::uuid[], :addresses::text[], :domains::text[], :lease_owner::text[], :lease::float8[])
          AS u (id, message_id, address, domain, lease_owner, lease)
     JOIN m ON m.id = u.message_id
@@ -237,6 +244,7 @@ def one_values(queue_id: uuid.UUID, e: Envelope) -> dict[str, object]:
         "lane": e.lane,
         "lease_owner": e.handoff.owner if e.handoff else None,
         "lease": e.handoff.lease if e.handoff else None,
+        **_intent_values(e),
     }
 
 
@@ -266,7 +274,24 @@ def many_values(batch: Sequence[tuple[uuid.UUID, Envelope]]) -> dict[str, object
         "lane": [e.lane for _q, e in batch],
         "lease_owner": [h.owner if h else None for h in handoffs],
         "lease": [h.lease if h else None for h in handoffs],
+        "expires_at": [e.expires_at for _q, e in batch],
+        "send_at": [e.send_at for _q, e in batch],
+        "order_key": [e.order_key for _q, e in batch],
+        "metadata": [_metadata(e) for _q, e in batch],
     }
+
+
+def _intent_values(e: Envelope) -> dict[str, object]:
+    return {
+        "expires_at": e.expires_at,
+        "send_at": e.send_at,
+        "order_key": e.order_key,
+        "metadata": _metadata(e),
+    }
+
+
+def _metadata(e: Envelope) -> str | None:
+    return json.dumps(dict(e.metadata), sort_keys=True) if e.metadata else None
 
 
 # ---------------------------------------------------------------- read back

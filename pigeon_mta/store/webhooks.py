@@ -67,7 +67,13 @@ def event_payload(
             'queue_id', {queue_id}, 'recipient_id', {recipient_id}, 'recipient', {recipient},
             'message_id', {message_id}, 'code', {code}, 'enhanced_code', {enhanced_code},
             'response', {response}, 'category', {category}, 'attempt', {attempt},
-            'kind', {kind}{more}))"""
+            'kind', {kind}, 'metadata', {message_metadata(queue_id)}{more}))"""
+
+
+# The application's metadata of a recorded outcome's message (the send intent's), {} for none,
+# read as header_message_id is.
+def message_metadata(queue_id: str) -> str:
+    return f"COALESCE((SELECT metadata FROM message WHERE id = {queue_id}), '{{}}'::jsonb)"
 
 
 # The header Message-ID of a recorded outcome's message, read only for the rows that have a webhook

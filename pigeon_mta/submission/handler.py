@@ -206,6 +206,10 @@ def reply_of(refusal: Refusal) -> str:
         return replies.UNKNOWN_LANE.format(lane=refusal.lanes[0])
     if reason is Reason.LANES_DIFFER:
         return replies.LANES_DIFFER.format(lanes=lanes.shown(", ".join(refusal.lanes)))
+    if reason is Reason.BAD_INTENT:
+        return replies.BAD_INTENT.format(
+            field=lanes.shown(refusal.intent_field), problem=refusal.intent_problem
+        )
     return _REPLIES[reason]
 
 

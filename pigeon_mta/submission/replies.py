@@ -57,6 +57,8 @@ TOO_MANY_HOPS = "554 5.4.6 Too many hops"  # RFC 3463 X.4.6: routing loop detect
 # that a typo never moves mail into another lane. {lane} is the name as written, made printable.
 UNKNOWN_LANE = "550 5.7.0 X-Pigeon-Lane: no such lane: {lane}"
 LANES_DIFFER = "550 5.7.0 X-Pigeon-Lane fields name different lanes: {lanes}"
+# An X-Pigeon-* field of the send intent that is unknown or has a bad value (intake/intent.py).
+BAD_INTENT = "550 5.6.0 {field}: {problem}"
 
 DATABASE_TROUBLE = "451 4.3.0 Temporary failure queueing the message, try again later"
 LOCAL_ERROR = "451 4.3.0 Local error in processing, try again later"

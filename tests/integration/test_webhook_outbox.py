@@ -74,6 +74,7 @@ async def test_expiry_writes_an_expired_event_with_the_last_reply(
         "category": "expired",
         "attempt": 1,
         "kind": "message",
+        "metadata": {},
     }
 
 
