@@ -47,7 +47,7 @@ async def cmd_summary(args: argparse.Namespace) -> int:
     print_rows(
         args,
         [{**lane, "oldest_due": format_age(lane["oldest_due_age_seconds"])} for lane in lanes],
-        ["lane", "queued", "due", "deferred", "delivering", "oldest_due"],
+        ["lane", "queued", "due", "deferred", "scheduled", "delivering", "oldest_due"],
     )
     print()
     print_rows(
@@ -160,6 +160,7 @@ def summary_rows(summary: QueueSummary) -> list[dict[str, Any]]:
         if status == "queued":
             rows.append({"status": "  due now", "recipients": str(summary.due)})
             rows.append({"status": "  deferred", "recipients": str(summary.deferred)})
+            rows.append({"status": "  scheduled", "recipients": str(summary.scheduled)})
     return rows
 
 
@@ -173,6 +174,7 @@ def lane_rows(summary: QueueSummary, configured: Iterable[str]) -> list[dict[str
             "queued": lane.queued if lane else 0,
             "due": lane.due if lane else 0,
             "deferred": lane.deferred if lane else 0,
+            "scheduled": lane.scheduled if lane else 0,
             "delivering": lane.delivering if lane else 0,
             "oldest_due_age_seconds": round(lane.oldest_due_age, 3) if lane else 0.0,
         }
@@ -187,6 +189,7 @@ def summary_object(summary: QueueSummary) -> dict[str, Any]:
         "estimated": sorted(summary.estimated),
         "due": summary.due,
         "deferred": summary.deferred,
+        "scheduled": summary.scheduled,
         "oldest_due_age_seconds": round(summary.oldest_due_age, 3),
         "top_deferred_destinations": [
             {

@@ -43,6 +43,7 @@ class QueueSummary:
     oldest_due_age: float  # seconds the longest-waiting due recipient has waited (0 if none)
     top_deferred: list[Destination]
     lanes: tuple[LaneStats, ...] = ()  # the live queue of each lane that has live rows
+    scheduled: int = 0  # queued, never tried, not due yet (a send intent's send_at)
 
 
 # One pass over recipient_deferred gives the count per destination; the latest reply of each top
@@ -116,6 +117,7 @@ async def queue_summary(
         oldest_due_age=live.oldest_due_age,
         top_deferred=destinations,
         lanes=live.lanes,
+        scheduled=live.scheduled,
     )
 
 

@@ -163,6 +163,7 @@ class LaneStats:
     deferred: int  # queued after at least one attempt
     delivering: int  # claimed, under a lease
     oldest_due_age: float  # seconds the longest-waiting due recipient has waited (0 if none)
+    scheduled: int = 0  # queued, never tried, not due yet: a send intent's send_at
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,7 @@ class QueueStats:
     oldest_due_age: float  # seconds the longest-waiting due recipient has waited (0 if none)
     lanes: tuple[LaneStats, ...] = ()  # the lanes that have live rows, by name
     webhook_backlog: int = 0  # webhook events waiting to be sent
+    scheduled: int = 0  # queued, never tried, not due yet
 
 
 # Only the live part of the table is read (the queued rows and the leased ones, through their
@@ -184,16 +186,18 @@ class QueueStats:
 _STATS = """
 SELECT lane, sum(queued)::bigint AS queued, sum(due)::bigint AS due,
        sum(deferred)::bigint AS deferred, sum(delivering)::bigint AS delivering,
-       COALESCE(extract(epoch FROM now() - min(oldest_due)), 0) AS oldest_due_age
+       COALESCE(extract(epoch FROM now() - min(oldest_due)), 0) AS oldest_due_age,
+       sum(scheduled)::bigint AS scheduled
 FROM (
     SELECT lane, count(*) AS queued,
            count(*) FILTER (WHERE next_attempt_at <= now()) AS due,
            count(*) FILTER (WHERE attempts > 0) AS deferred,
            0 AS delivering,
-           min(next_attempt_at) FILTER (WHERE next_attempt_at <= now()) AS oldest_due
+           min(next_attempt_at) FILTER (WHERE next_attempt_at <= now()) AS oldest_due,
+           count(*) FILTER (WHERE attempts = 0 AND next_attempt_at > now()) AS scheduled
     FROM recipient WHERE status = 'queued' GROUP BY lane
     UNION ALL
-    SELECT lane, 0, 0, 0, count(*), NULL
+    SELECT lane, 0, 0, 0, count(*), NULL, 0
     FROM recipient WHERE lease_until IS NOT NULL GROUP BY lane
 ) live
 GROUP BY lane
@@ -211,6 +215,7 @@ async def queue_stats(db: Executor) -> QueueStats:
             deferred=row["deferred"],
             delivering=row["delivering"],
             oldest_due_age=float(row["oldest_due_age"]),
+            scheduled=row["scheduled"],
         )
         for row in await db.fetch(_STATS)
     )
@@ -222,4 +227,5 @@ async def queue_stats(db: Executor) -> QueueStats:
         oldest_due_age=max((lane.oldest_due_age for lane in lanes), default=0.0),
         lanes=lanes,
         webhook_backlog=await webhook_backlog(db),
+        scheduled=sum(lane.scheduled for lane in lanes),
     )

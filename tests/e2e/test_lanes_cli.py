@@ -101,7 +101,7 @@ async def test_queue_and_log_show_the_lanes(
     code, out, err = pigeon(db_url, "queue")
     assert code == 0, err
     bulk_line = next(line for line in out.splitlines() if line.startswith("bulk "))
-    assert bulk_line.split()[1:5] == ["6", "6", "0", "1"] and "5m" in bulk_line
+    assert bulk_line.split()[1:6] == ["6", "6", "0", "0", "1"] and "5m" in bulk_line
 
     listed = pigeon_json(db_url, "queue", "list", "--lane", "bulk")
     assert len(listed) == 7 and {r["lane"] for r in listed} == {"bulk"}
