@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "webhook": ("webhooks", "HTTP endpoints told about an org's mail"),
     "feedback": ("feedback", "bounces and complaint reports that came back"),
     "outbox": ("outbox", "tables in applications' databases that are relayed"),
+    "sendmail": ("sendmail", "queue a message from standard input, as sendmail(1) does"),
 }
 
 EXIT_ERROR = 1
@@ -93,6 +94,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad is not None:
         print(f"pigeon-mta: the argument {bad!r} is not valid UTF-8", file=sys.stderr)
         return EXIT_ERROR
+    if chosen_command(argv) == "sendmail" and "--help" not in argv[: argv.index("sendmail")]:
+        # sendmail's own options (-oi, -t, -f ADDR), which argparse cannot read.
+        from pigeon_mta.commands import sendmail
+
+        return sendmail.main(argv[argv.index("sendmail") + 1 :])
     args = build_parser(chosen_command(argv)).parse_args(argv)
 
     from pigeon_mta.commands.common import CliError, eprint

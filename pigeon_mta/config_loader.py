@@ -158,9 +158,11 @@ def _check(settings: Settings) -> None:
     for name in names:
         if names.count(name) > 1:
             raise ConfigError(f"listener name '{name}' is used twice")
-        if name in (API_LISTENER, OUTBOX_LISTENER):
-            # API and outbox mail is stored and counted under these names (store/apikeys.py).
-            raise ConfigError(f"listener name '{name}' is reserved for the HTTP API and outboxes")
+        if name in (API_LISTENER, OUTBOX_LISTENER, "sendmail"):
+            # API, outbox and sendmail mail is stored and counted under these names.
+            raise ConfigError(
+                f"listener name '{name}' is reserved for the HTTP API, outboxes and sendmail"
+            )
     for listener in settings.listener:
         if bool(listener.tls_cert) != bool(listener.tls_key):
             raise ConfigError(

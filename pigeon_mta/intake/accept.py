@@ -343,7 +343,8 @@ def http_trace(trace: Trace, via: str = "HTTP") -> bytes:
     of its Received field."""
     return (
         f"X-Pigeon-Submitted: by {trace.hostname} (pigeon-mta) over {via}\r\n"
-        f"\tfrom [{trace.client_ip}] id {trace.queue_id};\r\n"
+        + (f"\tfrom [{trace.client_ip}]" if trace.client_ip != "unknown" else "\t")
+        + f" id {trace.queue_id};\r\n"
         f"\t{format_datetime(trace.received_at)}\r\n"
     ).encode("ascii")
 
