@@ -10,7 +10,7 @@ import sys
 
 import asyncpg
 
-from pigeon_mta.commands.sendmail import (
+from pigeon_mta.commands.sendmail_message import (
     EX_CONFIG,
     EX_DATAERR,
     EX_NOUSER,
