@@ -65,7 +65,8 @@ async def test_sendmail_calls_of_php_and_cron_arrive_signed(tmp_path: Path, db_u
         assert sorted(message.rcpt_tos) == ["ann@dest.test", "bob@dest.test", "secret@dest.test"]
         assert b"Bcc:" not in data and b"secret@" not in data
         assert b"line after a lone dot" in data  # -i: the dot did not end it
-        assert b"index.php\r\n\r\nline one\r\n" in data  # the body as written
+        # The body as written, after one blank line.
+        assert b"\r\n\r\nline one\r\n" in data and b"\r\n\r\n\r\n" not in data
         assert b"X-Pigeon-Submitted: by mta.test (pigeon-mta) over sendmail from local user" in data
         record = json.loads(relay.prepared[0])
         with dkim_zone({record["name"].rstrip("."): record["value"]}) as zone:
