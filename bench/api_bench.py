@@ -6,7 +6,8 @@
 
 --part send (default): the clients send --messages through the API, JSON (`--via json`) or raw
 RFC 5322 (`--via raw`), or smtp-source sends them over SMTP (`--via smtp`, as bench/e2e.py does,
-for the webhook pairs); reported: accepted msgs/s (202s / time until the last answer), request
+for the webhook pairs), or 4 application connections write them to an outbox table in a scratch
+application database, 100 rows per transaction, which serve relays (`--via outbox`); reported: accepted msgs/s (202s / time until the last answer), request
 latency p50 / p99, the end-to-end rate (until the last delivery), CPU per component, and with
 --webhook the events the receiver got, their rate, the outbox backlog and how long after the last
 delivery the outbox was empty.
@@ -19,7 +20,7 @@ events and samples the backlog until the outbox is empty.
 
 Bounded in count and time; loopback only; every process it starts is stopped by its PID.
 
-    .venv/bin/python bench/api_bench.py [--via json|raw|smtp] [--messages 20000] [--dkim rsa|none]
+    .venv/bin/python bench/api_bench.py [--via json|raw|smtp|outbox] [--messages 20000] [--dkim rsa|none]
         [--webhook none|delivered|all] [--no-delivery] [--sender-policy P] [--part send|drain]
         [--concurrency-per-endpoint N]
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -64,6 +66,7 @@ from bench.e2e import (  # noqa: E402
     transactions,
     with_db,
 )
+from pigeon_mta.outbox.table import ddl as outbox_ddl  # noqa: E402
 
 SENDER = "sender@bench.test"
 RECIPIENT = "rcpt@sink.test"
@@ -191,6 +194,7 @@ class Bench:
         self.work = Path(tempfile.mkdtemp(prefix="pigeon-api-bench-"))
         self.name = f"pigeon_api_bench_{os.getpid()}"
         self.db_url = with_db(args.url, self.name)
+        self.app_url = with_db(args.url, self.name + "_app")  # --via outbox
         self.relay_port, self.sink_port, self.metrics_port = free_port(), free_port(), free_port()
         self.api_port, self.receiver_port = free_port(), free_port()
         self.config = self.work / "pigeon.toml"
@@ -227,8 +231,33 @@ listen = "127.0.0.1:{self.api_port}"
 listen = "127.0.0.1:{self.metrics_port}"
 [log]
 delivery_log = "{self.work / "delivery.log"}"
-{webhooks}"""
+{webhooks}{self._outbox()}"""
         )
+
+    def _outbox(self) -> str:
+        if self.args.via != "outbox":
+            return ""
+        return (
+            f'[[outbox]]\nname = "bench"\ndatabase = "{self.app_url}"\norg = "internal"\n'
+            "batch = 200\n"
+        )
+
+    async def outbox_writers(self, count: int, writers: int = 4, per_tx: int = 100) -> None:
+        """The application: `writers` connections commit `count` rows, `per_tx` a transaction."""
+        rows = iter(range(count))
+
+        async def writer() -> None:
+            conn = await asyncpg.connect(self.app_url)
+            try:
+                while batch := list(itertools.islice(rows, per_tx)):
+                    await conn.executemany(
+                        "INSERT INTO pigeon_outbox (idempotency_key, message) VALUES ($1, $2)",
+                        [(f"k{n}", json_body(self.args.size, n).decode()) for n in batch],
+                    )
+            finally:
+                await conn.close()
+
+        await asyncio.gather(*(writer() for _ in range(writers)))
 
     @property
     def receiver_url(self) -> str:
@@ -241,6 +270,11 @@ delivery_log = "{self.work / "delivery.log"}"
         """The database, org, domain, DKIM key, API key and webhook; (API key, webhook id)."""
         admin = await asyncpg.connect(self.args.url)
         await admin.execute(f'CREATE DATABASE "{self.name}"')
+        if self.args.via == "outbox":
+            await admin.execute(f'CREATE DATABASE "{self.name}_app"')
+            app = await asyncpg.connect(self.app_url)
+            await app.execute(outbox_ddl("pigeon_outbox"))
+            await app.close()
         await admin.close()
         self.write_config()
         self.pigeon("migrate")
@@ -290,6 +324,7 @@ delivery_log = "{self.work / "delivery.log"}"
                     proc.wait(10)
         admin = await asyncpg.connect(self.args.url)
         await admin.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
+        await admin.execute(f'DROP DATABASE IF EXISTS "{self.name}_app" WITH (FORCE)')
         await admin.close()
         shutil.rmtree(self.work, ignore_errors=True)
 
@@ -345,6 +380,8 @@ async def part_send(bench: Bench, key: str, http: aiohttp.ClientSession) -> dict
             load = asyncio.ensure_future(
                 ended(asyncio.to_thread(bench.smtp_source(a.messages).wait))
             )
+        elif a.via == "outbox":
+            load = asyncio.ensure_future(ended(bench.outbox_writers(a.messages)))
         else:
             requests = api_requests(a.via, a.messages, a.size, key)
             clients = (
@@ -572,7 +609,7 @@ def parse_args() -> argparse.Namespace:
         ),
     )
     parser.add_argument("--part", choices=["send", "drain"], default="send")
-    parser.add_argument("--via", choices=["json", "raw", "smtp"], default="json")
+    parser.add_argument("--via", choices=["json", "raw", "smtp", "outbox"], default="json")
     parser.add_argument("--messages", type=int, default=20000)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--clients", type=int, default=20, help="connections (or SMTP sessions)")
