@@ -89,8 +89,9 @@ async def expire_and_bounce(
     lane_max_ages: Sequence[LaneMaxAge] = (),
     limit: int = 1000,
 ) -> Expired:
-    """Expire due recipients older than max_age (or their lane's, `lane_max_ages`) and queue
-    their DSNs (Status 4.4.7), atomically."""
+    """Expire due recipients older than max_age (or their lane's, `lane_max_ages`), and queued
+    ones past their message's deadline, and queue their DSNs (Status 4.4.7), atomically."""
+    longest = max([max_age, *(lane.max_age for lane in lane_max_ages)])
     async with transaction(db) as conn:
         expired = await store_upkeep.expire_old_recipients(
             conn,
@@ -99,6 +100,7 @@ async def expire_and_bounce(
             lane_max_ages=lane_max_ages,
             limit=limit,
         )
+        expired += await store_upkeep.expire_past_deadline(conn, window=longest, limit=limit)
         bounces = await queue_bounces(conn, [e.recipient_id for e in expired], hostname=hostname)
     return Expired(recipients=expired, bounces=bounces)
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pigeon_mta.ids import id_floor
-from pigeon_mta.model import EXPIRED_CATEGORY
+from pigeon_mta.model import DEADLINE_CATEGORY, EXPIRED_CATEGORY
 from pigeon_mta.store.executor import Executor
 from pigeon_mta.store.webhooks import backlog as webhook_backlog
 from pigeon_mta.store.webhooks import event_payload, header_message_id, message_kind, outbox_insert
@@ -70,6 +70,69 @@ SELECT gen_random_uuid(), e.id, e.message_id, e.org_id, e.attempts, now(), 'expi
 FROM e
 RETURNING recipient_id, message_id
 """
+
+
+# Queued recipients of messages whose deadline (the send intent's expires_at) has passed within the
+# last $1 seconds (the longest max_age: older mail has expired by its age), through the partial
+# index message_deadline: mail the engines did not claim before its deadline (its org paused, its
+# site suspended) expires then, not when it is next claimed. Due or not: no attempt may follow.
+_DEADLINE_RESPONSE = (
+    "'not attempted: the message''s deadline '\n"
+    "           || to_char(e.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')\n"
+    "           || ' UTC has passed; last reply: ' || COALESCE(e.last_response, 'none')"
+)
+_DEADLINE_WEBHOOK = outbox_insert(
+    rows="e",
+    type_="'expired'",
+    org_id="e.org_id",
+    payload=event_payload(
+        type_="'expired'",
+        queue_id="e.message_id",
+        recipient_id="e.id",
+        recipient="e.address",
+        message_id=header_message_id("e.message_id"),
+        kind=message_kind("e.message_id"),
+        code="e.last_code",
+        enhanced_code="e.last_enhanced_code",
+        response=_DEADLINE_RESPONSE,
+        category=f"'{DEADLINE_CATEGORY}'",
+        attempt="e.attempts",
+    ),
+)
+_EXPIRE_DEADLINE = f"""
+WITH past AS (
+    SELECT r.id, m.expires_at
+    FROM message m JOIN recipient r ON r.message_id = m.id
+    WHERE m.expires_at IS NOT NULL AND m.expires_at <= now()
+      AND m.expires_at > now() - make_interval(secs => $1)
+      AND r.status = 'queued'
+    LIMIT $2
+    FOR UPDATE OF r SKIP LOCKED
+), e AS (
+    UPDATE recipient r
+    SET status = 'expired', updated_at = now(), lease_until = NULL, lease_owner = NULL
+    FROM past WHERE r.id = past.id
+    RETURNING r.id, r.message_id, r.org_id, r.attempts, r.last_code, r.last_enhanced_code,
+              r.last_response, r.address, past.expires_at
+), w AS (
+    {_DEADLINE_WEBHOOK}
+)
+INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, outcome,
+                     code, enhanced_code, response, category)
+SELECT gen_random_uuid(), e.id, e.message_id, e.org_id, e.attempts, now(), 'expired',
+       e.last_code, e.last_enhanced_code, {_DEADLINE_RESPONSE}, '{DEADLINE_CATEGORY}'
+FROM e
+RETURNING recipient_id, message_id
+"""
+
+
+async def expire_past_deadline(
+    db: Executor, *, window: float, limit: int = 1000
+) -> list[ExpiredRecipient]:
+    """Queued recipients whose message's deadline passed within `window` seconds become
+    `expired` (category `deadline`, with an attempt-log entry and the webhook event)."""
+    rows = await db.fetch(_EXPIRE_DEADLINE, float(window), limit)
+    return [ExpiredRecipient(r["recipient_id"], r["message_id"]) for r in rows]
 
 
 @dataclass(frozen=True)

@@ -17,3 +17,6 @@ CREATE INDEX recipient_order ON recipient (org_id, order_key, lower(address), me
 -- GET /v1/messages?metadata.NAME=value (store/message_pages.py): the messages with metadata.
 CREATE INDEX message_metadata ON message USING gin (metadata jsonb_path_ops)
     WHERE metadata IS NOT NULL;
+
+-- The sweeper's deadline expiry (store/upkeep.py `expire_past_deadline`): messages by deadline.
+CREATE INDEX message_deadline ON message (expires_at) WHERE expires_at IS NOT NULL;
