@@ -37,7 +37,7 @@ from pigeon_mta.config import Settings
 from pigeon_mta.delivery_log import DeliveryLog
 from pigeon_mta.ids import new_id, new_ids
 from pigeon_mta.intake.fixups import Fixed, TooManyHops, Trace, apply_fixups
-from pigeon_mta.intake.intent import IntentError, from_fields
+from pigeon_mta.intake.intent import IntentError, checked, from_fields
 from pigeon_mta.intake.lanes import choose_lane
 from pigeon_mta.intake.policy import SenderPolicy
 from pigeon_mta.intake.reception import Reception, announce
@@ -181,7 +181,10 @@ class Intake:
         if refusal is not None:
             return refusal
         try:
-            intent = submission.intent.over(from_fields(fixed.intent_fields, received_at))
+            intent = checked(
+                submission.intent.over(from_fields(fixed.intent_fields, received_at)),
+                received_at,
+            )
         except IntentError as exc:
             log.info("message from %s refused: %s", client, exc)
             return Refusal(Reason.BAD_INTENT, intent_field=exc.name, intent_problem=exc.problem)

@@ -147,12 +147,13 @@ def parse_time(value: str, name: str, now: datetime) -> datetime:
             name, "must be an RFC 3339 time with its offset (2026-12-04T10:00:00Z) or seconds"
         )
     try:
-        when = datetime.fromisoformat(text.replace("z", "Z").replace("t", "T"))
-    except ValueError:
+        # astimezone overflows for the first and last hours of years 1 and 9999.
+        when = datetime.fromisoformat(text.replace("z", "Z").replace("t", "T")).astimezone(UTC)
+    except (ValueError, OverflowError):
         raise IntentError(name, "is not a time") from None
     if when > now + MAX_AHEAD:
         raise IntentError(name, f"is more than {MAX_AHEAD.days} days ahead")
-    return when.astimezone(UTC)
+    return when
 
 
 def checked_order_key(value: str, name: str) -> str:

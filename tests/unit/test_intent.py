@@ -6,6 +6,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pigeon_mta.intake.intent import NONE, Intent, IntentError, from_fields, from_json
 
@@ -50,6 +52,8 @@ def test_header_fields_give_the_whole_intent_and_others_pass() -> None:
             "is not before X-Pigeon-Expires",
         ),
         ([("X-Pigeon-Order-Key", "x" * 201)], "X-Pigeon-Order-Key", "1 to 200 printable"),
+        ([("X-Pigeon-Send-At", "0001-01-01T00:00:00+01:00")], "X-Pigeon-Send-At", "not a time"),
+        ([("X-Pigeon-Send-At", "2026-02-30T00:00:00Z")], "X-Pigeon-Send-At", "not a time"),
         ([("X-Pigeon-Expires", "5"), ("X-Pigeon-Expires", "6")], "X-Pigeon-Expires", "twice"),
         ([("X-Pigeon-Meta-a", "1"), ("x-pigeon-meta-A", "2")], "x-pigeon-meta-A", "twice"),
         ([("X-Pigeon-Meta-a.b", "1")], "metadata.a.b", "lower-case letters"),
@@ -91,3 +95,23 @@ def test_the_doors_own_intent_wins_and_metadata_merges() -> None:
     assert door.over(message) == Intent(
         send_at=NOW, order_key="a", metadata={"x": "door", "y": "header"}
     )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.sampled_from(
+        ["X-Pigeon-Expires", "X-Pigeon-Send-At", "X-Pigeon-Order-Key", "X-Pigeon-Meta-a"]
+    ),
+    value=st.one_of(
+        st.text(max_size=40),
+        st.from_regex(
+            r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}([+-][0-9]{2}:[0-9]{2}|Z)"
+        ),
+    ),
+)
+def test_any_value_is_taken_or_refused_by_name_never_raised(name: str, value: str) -> None:
+    """A hostile value is an IntentError naming its field, never another exception."""
+    try:
+        from_fields([(name, value)], NOW)
+    except IntentError as exc:
+        assert exc.name in (name, "metadata.a", "X-Pigeon-Expires", "X-Pigeon-Send-At")
