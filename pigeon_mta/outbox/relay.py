@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import asyncpg
 
 from pigeon_mta import metrics
+from pigeon_mta.api import problems
 from pigeon_mta.api.compose import Composed, from_json, from_raw
 from pigeon_mta.api.problems import Problem
 from pigeon_mta.api.send import problem_of
@@ -56,7 +57,11 @@ RETRY_INITIAL = 1.0
 RETRY_MAX = 60.0
 # The backlog gauges are read this often, and relayed rows past retention deleted this often.
 BACKLOG_EVERY = 5.0
-PRUNE_EVERY = 60.0
+PRUNE_EVERY = 10.0
+# A round deletes up to PRUNE_ROUNDS batches of PRUNE_BATCH: 50,000 rows per 10 s, more than a
+# relay moves.
+PRUNE_BATCH = 5000
+PRUNE_ROUNDS = 10
 # A key is forgotten a day after its row could have been deleted.
 KEY_MARGIN = 86400.0
 # Errors of the application's database that a new connection may cure.
@@ -107,6 +112,7 @@ class OutboxRelay:
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._rng = random.Random()
+        self._rounds = 0  # relayed rounds, for the reconnection backoff
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=self.name)
@@ -130,37 +136,37 @@ class OutboxRelay:
         delay = RETRY_INITIAL
         reachable = metrics.OUTBOX_REACHABLE.labels(outbox=self.outbox.name)
         while not self._stopping.is_set():
+            rounds = self._rounds
             try:
                 conn = await self._connect(self.outbox.database)
-            except APP_DB_ERRORS as exc:
-                log.warning(
-                    "outbox %s: cannot connect to the application's database: %s; trying again "
-                    "in %.0fs",
-                    self.outbox.name,
-                    str(exc).strip() or type(exc).__name__,
-                    delay,
-                )
+            except (*APP_DB_ERRORS, ValueError) as exc:  # ValueError: asyncpg's, of a bad URL
+                self._warn("cannot connect to the application's database", exc, delay)
             else:
                 reachable.set(1)
                 try:
                     await self._relay_while_connected(conn)
-                    delay = RETRY_INITIAL
                 except APP_DB_ERRORS as exc:
-                    log.warning(
-                        "outbox %s: the application's database went away: %s; connecting again "
-                        "in %.0fs",
-                        self.outbox.name,
-                        str(exc).strip() or type(exc).__name__,
-                        delay,
-                    )
+                    self._warn("the application's database went away", exc, delay)
+                except Exception:
+                    log.exception("outbox %s: the relay failed; it starts again", self.outbox.name)
                 finally:
                     reachable.set(0)
-                    with contextlib.suppress(*APP_DB_ERRORS):
-                        await asyncio.wait_for(conn.close(), 5)
+                    await _close(conn)
             if self._stopping.is_set():
                 break
+            if self._rounds > rounds:
+                delay = RETRY_INITIAL  # it relayed on that connection: start the backoff anew
             await self._sleep(delay * (0.5 + self._rng.random()))
             delay = min(RETRY_MAX, delay * 2)
+
+    def _warn(self, what: str, exc: BaseException, delay: float) -> None:
+        log.warning(
+            "outbox %s: %s: %s; trying again in about %.0fs",
+            self.outbox.name,
+            what,
+            str(exc).strip() or type(exc).__name__,
+            delay,
+        )
 
     async def _relay_while_connected(self, conn: asyncpg.Connection) -> None:
         loop = asyncio.get_running_loop()
@@ -171,29 +177,43 @@ class OutboxRelay:
         await conn.add_listener(CHANNEL, heard)
         log.info("outbox %s: relaying %s", self.outbox.name, self.outbox.table)
         next_backlog = next_prune = 0.0
+        poll = float(self.outbox.poll_interval)
         while not self._stopping.is_set():
             self._wake.clear()
             try:
                 done = await self.relay_round(conn)
+                self._rounds += 1
             except PigeonTrouble as trouble:
                 log.warning(
                     "outbox %s: rows left waiting, pigeon-mta's database: %s",
                     self.outbox.name,
                     trouble.__cause__,
                 )
-                done = Round()
-                await self._sleep(float(self.outbox.poll_interval))
+                done = Round(waiting=1)
             now = loop.time()
             if now >= next_backlog:
-                await self._read_backlog(conn)
+                await self._upkeep(conn, self._read_backlog)
                 next_backlog = now + BACKLOG_EVERY
             if now >= next_prune:
-                await self._prune(conn)
+                await self._upkeep(conn, self._prune)
                 next_prune = now + PRUNE_EVERY
-            if done.taken >= self.outbox.batch and not done.waiting:
-                continue
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), float(self.outbox.poll_interval))
+            if done.waiting:
+                # Rows wait for what passes by itself (pigeon-mta's database, a rate): come
+                # back after the poll interval, not at the next insert.
+                await self._sleep(poll)
+            elif done.taken < self.outbox.batch:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), poll)
+
+    async def _upkeep(
+        self, conn: asyncpg.Connection, work: Callable[[asyncpg.Connection], Awaitable[None]]
+    ) -> None:
+        """The backlog's gauges and the pruning: a failure of theirs (a DELETE the application's
+        role may not do) is logged and leaves the relay running."""
+        try:
+            await work(conn)
+        except asyncpg.PostgresError as exc:
+            log.warning("outbox %s: %s failed: %s", self.outbox.name, work.__name__, exc)
 
     async def relay_round(self, conn: asyncpg.Connection) -> Round:
         """One batch: claimed, relayed, written back, committed; what became of its rows."""
@@ -234,12 +254,30 @@ class OutboxRelay:
             except Problem as problem:
                 self._refuse(done, row, problem.detail)
                 continue
+            except Exception as exc:  # a defect must cost its row, not the outbox
+                log.exception("outbox %s: row %d could not be read", self.outbox.name, row.id)
+                self._refuse(done, row, f"pigeon-mta could not read the row ({exc!r}); see its log")
+                continue
             queue_id = earlier[0] if earlier is not None else None
             fresh.append((row, self._submission(row, composed[row.id], org_id, queue_id)))
-        prepared = await asyncio.gather(*(self.intake.prepare(s) for _, s in fresh))
+        # Keyed rows one after the other, in row order: each message's received time is its
+        # place in its key's order (store/claims.py); the others at once.
+        keyed = [s for _, s in fresh if s.intent.order_key is not None]
+        ordered = [await _prepared(self.intake, s) for s in keyed]
+        parallel = await asyncio.gather(
+            *(self.intake.prepare(s) for _, s in fresh if s.intent.order_key is None),
+            return_exceptions=True,
+        )
+        places = iter(ordered), iter(parallel)
+        prepared = [next(places[s.intent.order_key is None]) for _, s in fresh]
         ready: list[tuple[Row, Prepared]] = []
         for (row, _), made in zip(fresh, prepared, strict=True):
-            if isinstance(made, Refusal):
+            if isinstance(made, BaseException):
+                if not isinstance(made, Exception):
+                    raise made
+                log.error("outbox %s: row %d failed", self.outbox.name, row.id, exc_info=made)
+                self._refuse(done, row, f"pigeon-mta failed on the row ({made!r}); see its log")
+            elif isinstance(made, Refusal):
                 self._refused_by_intake(done, row, made, composed[row.id])
             else:
                 ready.append((row, made))
@@ -286,9 +324,8 @@ class OutboxRelay:
     def _refused_by_intake(
         self, done: Round, row: Row, refusal: Refusal, composed: Composed
     ) -> None:
-        if refusal.reason in _PASSING or (
-            refusal.error is not None and not is_bad_input(refusal.error)
-        ):
+        bad_input = refusal.error is not None and is_bad_input(refusal.error)
+        if not bad_input and (refusal.reason in _PASSING or refusal.error is not None):
             done.waiting += 1
             return
         problem = problem_of(refusal, self.outbox.org, composed, self.settings)
@@ -316,10 +353,25 @@ class OutboxRelay:
         metrics.OUTBOX_OLDEST_AGE.labels(outbox=name).set(age)
 
     async def _prune(self, conn: asyncpg.Connection) -> None:
+        """Relayed rows past retention and their keys, PRUNE_BATCH at a time until none is left
+        (at most PRUNE_ROUNDS batches a round: as fast as a busy outbox relays)."""
         retention = float(self.outbox.retention)
-        deleted = await self.table.prune(conn, retention)
+        deleted = 0
+        for _ in range(PRUNE_ROUNDS):
+            gone = await self.table.prune(conn, retention, PRUNE_BATCH)
+            deleted += gone
+            if gone < PRUNE_BATCH:
+                break
         try:
-            await outbox_keys.prune(self.pool, self.outbox.name, older_than=retention + KEY_MARGIN)
+            for _ in range(PRUNE_ROUNDS):
+                gone = await outbox_keys.prune(
+                    self.pool,
+                    self.outbox.name,
+                    older_than=retention + KEY_MARGIN,
+                    limit=PRUNE_BATCH,
+                )
+                if gone < PRUNE_BATCH:
+                    break
         except DB_ERRORS as exc:
             log.warning("outbox %s: old keys not pruned: %s", self.outbox.name, exc)
         if deleted:
@@ -339,5 +391,24 @@ _PASSING = frozenset({Reason.RATE_LIMITED, Reason.DATABASE_TROUBLE})
 def _compose(row: Row, settings: Settings) -> Composed:
     if row.message is not None:
         return from_json(row.message.encode(), settings.limits)
-    assert row.raw is not None and row.mail_from is not None and row.rcpt_to is not None
+    if row.raw is None or row.mail_from is None or row.rcpt_to is None:
+        raise Problem(
+            problems.INVALID_FIELD,
+            "The row needs either message, or raw with mail_from and rcpt_to.",
+        )
     return from_raw(row.raw, [row.mail_from], list(row.rcpt_to), settings.limits)
+
+
+async def _prepared(intake: Intake, submission: Submission) -> Prepared | Refusal | Exception:
+    try:
+        return await intake.prepare(submission)
+    except Exception as exc:
+        return exc
+
+
+async def _close(conn: asyncpg.Connection) -> None:
+    """Close the connection; one that does not close in 5 s is cut."""
+    try:
+        await asyncio.wait_for(conn.close(), 5)
+    except (*APP_DB_ERRORS, TimeoutError):
+        conn.terminate()

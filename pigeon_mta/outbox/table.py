@@ -4,8 +4,8 @@ application's database"): it writes `idempotency_key` and either `message` (the 
 form) or `raw` with `mail_from` and `rcpt_to`; pigeon-mta writes `queue_id`, `relayed_at` and
 `error`, and deletes relayed rows after the outbox's retention.
 
-Rows waiting are those with neither `relayed_at` nor `error`; a partial index keeps their claim
-from reading the relayed ones. The trigger NOTIFYs the channel `CHANNEL` once per inserting
+Rows waiting are those with neither `relayed_at` nor `error`; partial indexes keep their claim
+and the backlog's counts from reading the relayed ones. The trigger NOTIFYs the channel `CHANNEL` once per inserting
 statement (with the table's name), in the application's transaction: the relay hears of a row
 when it commits, never before.
 """
@@ -42,6 +42,10 @@ def ddl(table: str) -> str:
 CREATE INDEX IF NOT EXISTS {base}_waiting ON {table} (id)
     WHERE relayed_at IS NULL AND error IS NULL;
 CREATE INDEX IF NOT EXISTS {base}_relayed ON {table} (relayed_at) WHERE relayed_at IS NOT NULL;
+CREATE INDEX IF NOT EXISTS {base}_refused ON {table} (id)
+    WHERE error IS NOT NULL AND relayed_at IS NULL;
+CREATE INDEX IF NOT EXISTS {base}_order ON {table} ((message->>'order_key'), id)
+    WHERE relayed_at IS NULL AND error IS NULL;
 CREATE OR REPLACE FUNCTION {table}_notify() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM pg_notify('{CHANNEL}', TG_TABLE_NAME);
@@ -79,10 +83,16 @@ class Table:
 
     def __init__(self, table: str) -> None:
         self.name = table
+        # A row with an ordering key waits while an earlier row of its key waits too (another
+        # relay may hold it): the key's rows are queued in the order they were written.
         self._claim = f"""
             SELECT id, idempotency_key, created_at, message::text AS message, raw, mail_from,
                    rcpt_to
-            FROM {table} WHERE relayed_at IS NULL AND error IS NULL
+            FROM {table} t WHERE relayed_at IS NULL AND error IS NULL
+              AND (message->>'order_key' IS NULL OR NOT EXISTS (
+                  SELECT 1 FROM {table} e
+                  WHERE e.message->>'order_key' = t.message->>'order_key' AND e.id < t.id
+                    AND e.relayed_at IS NULL AND e.error IS NULL))
             ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"""
         self._relayed = f"""
             UPDATE {table} t SET queue_id = u.queue_id, relayed_at = now(), error = NULL
@@ -95,12 +105,15 @@ class Table:
                 SELECT id FROM {table}
                 WHERE relayed_at IS NOT NULL AND relayed_at < now() - make_interval(secs => $1)
                 LIMIT $2))"""
+        # Each part through its partial index: the relayed rows, the most, are never read.
         self._backlog = f"""
-            SELECT count(*) FILTER (WHERE error IS NULL) AS waiting,
-                   min(created_at) FILTER (WHERE error IS NULL) AS oldest,
-                   count(*) FILTER (WHERE error IS NOT NULL) AS refused,
-                   (SELECT max(relayed_at) FROM {table}) AS last_relayed
-            FROM {table} WHERE relayed_at IS NULL"""
+            SELECT w.waiting, w.oldest,
+                   (SELECT count(*) FROM {table}
+                    WHERE error IS NOT NULL AND relayed_at IS NULL) AS refused,
+                   (SELECT max(relayed_at) FROM {table}
+                    WHERE relayed_at IS NOT NULL) AS last_relayed
+            FROM (SELECT count(*) AS waiting, min(created_at) AS oldest FROM {table}
+                  WHERE relayed_at IS NULL AND error IS NULL) w"""
 
     async def claim(self, conn: asyncpg.Connection, batch: int) -> list[Row]:
         """Up to `batch` waiting rows, oldest first, locked until the caller's transaction ends;

@@ -265,3 +265,46 @@ async def _until(read: object, value: int, timeout: float = 20.0) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"not {value} within {timeout}s")
+
+
+async def test_rows_of_one_ordering_key_are_queued_in_the_order_written(
+    pool: asyncpg.Pool, app: asyncpg.Connection, app_db_url: str, acme: uuid.UUID
+) -> None:
+    for n in range(1, 4):
+        body = json.loads(api_message(n))
+        await write_order(app, n, message=json.dumps({**body, "order_key": "cart-9"}))
+    await write_order(app, 4)  # no key
+    await write_order(app, 5, message=api_message(5, sender="shop@acme.example"))
+    relay = relay_of(pool, app_db_url)
+    conn = await asyncpg.connect(app_db_url)
+    try:
+        # A keyed row waits while an earlier row of its key waits: one of the key per round.
+        first = await relay.relay_round(conn)
+        assert sorted(i for i, _ in first.relayed) == [1, 4, 5]
+        assert [i for i, _ in (await relay.relay_round(conn)).relayed] == [2]
+        assert [i for i, _ in (await relay.relay_round(conn)).relayed] == [3]
+    finally:
+        await conn.close()
+    places = await pool.fetch(
+        """SELECT m.header_message_id, r.order_at FROM recipient r JOIN message m
+           ON m.id = r.message_id WHERE r.order_key = 'cart-9' ORDER BY r.order_at"""
+    )
+    assert [p["header_message_id"] for p in places] == [
+        f"order-{n}@shop.example" for n in (1, 2, 3)
+    ]
+
+
+async def test_a_hostile_value_refuses_its_row_and_the_relay_goes_on(
+    pool: asyncpg.Pool, app: asyncpg.Connection, app_db_url: str, acme: uuid.UUID
+) -> None:
+    body = json.loads(api_message(1))
+    await write_order(app, 1, message=json.dumps({**body, "send_at": "0001-01-01T00:00:00+01:00"}))
+    await write_order(app, 2)
+    relay = relay_of(pool, app_db_url)
+    conn = await asyncpg.connect(app_db_url)
+    try:
+        done = await relay.relay_round(conn)
+    finally:
+        await conn.close()
+    assert [i for i, _ in done.relayed] == [2]
+    assert done.refused == [(1, "The field 'send_at' is not a time.")]
