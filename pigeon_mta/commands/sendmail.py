@@ -25,6 +25,7 @@ from typing import Any
 
 from pigeon_mta.commands.sendmail_message import (
     EX_OK,
+    EX_SOFTWARE,
     EX_TEMPFAIL,
     EX_USAGE,
     Options,
@@ -39,6 +40,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["--help"]:
         print(__doc__)
         return EX_OK
+    for arg in args:
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            print("sendmail: an argument is not valid UTF-8", file=sys.stderr)
+            return EX_USAGE
     try:
         options = parse(args)
     except UsageError as exc:
@@ -49,6 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(send(options, data))
     except KeyboardInterrupt:
         return EX_TEMPFAIL
+    except Exception as exc:  # a defect: a code cron and PHP report, not a traceback
+        print(f"sendmail: failed, nothing may be queued: {exc!r}", file=sys.stderr)
+        return EX_SOFTWARE
 
 
 def register(sub: Any) -> None:
@@ -69,7 +79,11 @@ async def send(options: Options, data: bytes) -> int:
 
 
 def _local_user() -> str:
+    """The caller's user name (from LOGNAME or USER, else the password database) as a trace
+    field may carry it: printable ASCII, at most 64 characters."""
     try:
-        return getpass.getuser()
+        name = getpass.getuser()
     except (KeyError, OSError):
-        return f"uid {os.getuid()}"
+        name = ""
+    shown = "".join(c if "!" <= c <= "~" else "?" for c in name)[:64]
+    return shown or f"uid{os.getuid()}"

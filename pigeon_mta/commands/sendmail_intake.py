@@ -18,8 +18,11 @@ from pigeon_mta.commands.sendmail_message import (
     EX_TEMPFAIL,
     EX_USAGE,
     LISTENER,
+    BadAddress,
     Options,
+    addresses_of,
     header_recipients,
+    qualified,
     read_message,
     with_from,
 )
@@ -50,18 +53,27 @@ async def queue_message(options: Options, data: bytes, *, user: str) -> int:
     except ConfigError as exc:
         return _fail(EX_CONFIG, f"config error: {exc}")
     message = read_message(data, dot_ends=options.dot_ends)
-    recipients = list(options.recipients)
+    domain = settings.server.hostname
+    try:
+        recipients = addresses_of(options.recipients, domain)
+    except BadAddress as exc:
+        return _fail(EX_NOUSER, f"bad recipient address <{exc}>")
     if options.from_headers:
         found, message = header_recipients(message)
-        recipients.extend(found)
+        recipients.extend(qualified(a, domain) for a in found)
     if not recipients:
         return _fail(EX_USAGE, "no recipients: name them as arguments, or use -t")
     for address in recipients:
         if isinstance(parse_mailbox(address, smtputf8=True), AddressProblem):
             return _fail(EX_NOUSER, f"bad recipient address <{address}>")
-    sender = options.sender if options.sender is not None else f"{user}@{settings.server.hostname}"
-    if sender and isinstance(parse_mailbox(sender, smtputf8=True), AddressProblem):
-        return _fail(EX_USAGE, f"bad sender address <{sender}> (-f)")
+    if options.sender is not None:
+        sender = qualified(options.sender, domain)
+        if sender and isinstance(parse_mailbox(sender, smtputf8=True), AddressProblem):
+            return _fail(EX_USAGE, f"bad sender address <{sender}> (-f)")
+    else:
+        sender = f"{user}@{domain}"
+        if isinstance(parse_mailbox(sender, smtputf8=True), AddressProblem):
+            sender = f"MAILER-DAEMON@{domain}"  # a user name that is no local part
     if limit := settings.limits.max_message_size:
         if len(message) > limit:
             return _fail(EX_DATAERR, f"the message is {len(message)} bytes; limits allow {limit}")

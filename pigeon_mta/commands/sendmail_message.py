@@ -52,10 +52,10 @@ def parse(argv: Sequence[str]) -> Options:
             options.recipients.append(arg)
             continue
         letter, rest = arg[1], arg[2:]
-        if letter in "tiv" and not rest:
-            options.from_headers |= letter == "t"
-            options.dot_ends &= letter != "i"
-            options.verbose |= letter == "v"
+        if set(arg[1:]) <= set("tiv"):  # flags, alone or together (getopt's -ti)
+            options.from_headers |= "t" in arg
+            options.dot_ends &= "i" not in arg
+            options.verbose |= "v" in arg
         elif letter in _IGNORED_FLAGS and not rest:
             pass
         elif letter in _WITH_VALUE:
@@ -79,7 +79,7 @@ def _value_of(letter: str, args: Iterator[str]) -> str:
 def _take(options: Options, letter: str, value: str) -> None:
     if letter == "o" and value == "i":
         options.dot_ends = False  # -oi; other -o options (-odi, -oem) are ignored
-    elif letter == "b" and value not in ("m", "d"):
+    elif letter == "b" and value != "m":
         raise UsageError(f"-b{value} is not supported: only -bm (send a message)")
     elif letter in "fr":
         options.sender = value.strip().removeprefix("<").removesuffix(">")
@@ -114,5 +114,33 @@ def with_from(data: bytes, sender: str, full_name: str | None) -> bytes:
     split = split_header(data.replace(b"\r\n", b"\n").replace(b"\n", CRLF))
     if any(field_name(f) == b"from" for f in split.fields):
         return data
-    shown = formataddr((full_name or "", sender))
+    name = " ".join((full_name or "").split())  # no line breaks into the header
+    try:
+        shown = formataddr((name, sender), charset="utf-8")
+    except UnicodeError:  # an internationalized address (SMTPUTF8): written as it is
+        shown = f"{name} <{sender}>" if name else sender
     return f"From: {shown}\r\n".encode() + data
+
+
+def addresses_of(arguments: Sequence[str], domain: str) -> list[str]:
+    """The addresses of recipient arguments, as sendmail reads them: several to an argument
+    ("a@x, b@y"), with names ("Ann <a@x>"), and a bare local name (cron's `root`) qualified with
+    `domain` (Postfix's myorigin)."""
+    found: list[str] = []
+    for argument in arguments:
+        if "," in argument or "<" in argument:
+            found.extend(address for _name, address in getaddresses([argument]) if address)
+        elif argument.strip():
+            found.append(argument.strip())
+    bad = [a for a in found if any(c.isspace() for c in a)]
+    if bad:
+        raise BadAddress(bad[0])
+    return [qualified(a, domain) for a in found]
+
+
+class BadAddress(ValueError):
+    """A recipient argument that is no address ("not an address")."""
+
+
+def qualified(address: str, domain: str) -> str:
+    return address if "@" in address or not address else f"{address}@{domain}"

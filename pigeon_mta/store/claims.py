@@ -38,14 +38,15 @@ from pigeon_mta.store.suppression import SUPPRESSION_ACTIVE
 # A recipient of a message with an ordering key (the send intent's `order_key`) is taken only
 # when no recipient of an earlier message of its org, with the same key and address, is still
 # queued or being delivered (index recipient_order, migration 0031): mail of one key reaches each
-# recipient in the order it was accepted, and mail without a key is never held by it. Only these
-# two claims need the rule: a recipient enters a site's queue or the retry queue after a claim
-# took it, and a keyed message is never handed off at its commit (store/group_commit.py).
+# recipient in the order it was received (`order_at`), and mail without a key is never held by
+# it. Only these two claims need the rule: a keyed recipient enters a site's queue or the retry
+# queue only after a claim took it (store/leases.py `_JOIN_SITE` moves no keyed row), and a
+# keyed message is never handed off at its commit (store/group_commit.py).
 _IN_ORDER = """(recipient.order_key IS NULL OR NOT EXISTS (
             SELECT 1 FROM recipient e
             WHERE e.org_id = recipient.org_id AND e.order_key = recipient.order_key
               AND lower(e.address) = lower(recipient.address)
-              AND e.message_id < recipient.message_id
+              AND (e.order_at, e.message_id) < (recipient.order_at, recipient.message_id)
               AND e.status IN ('queued', 'delivering')))"""
 
 # `groups` walks the partial index recipient_due_group (org_id, lane, next_attempt_at) of queued

@@ -162,12 +162,13 @@ WITH reused AS (
            :lane::text, (SELECT queue_id FROM reused), :expires_at::timestamptz, :send_at::timestamptz,
            :order_key::text, :metadata::jsonb
     WHERE EXISTS (SELECT 1 FROM k WHERE k.owner = :id)
-    RETURNING id, org_id, COALESCE(send_at, received_at) AS queued_at, lane, order_key
+    RETURNING id, org_id, COALESCE(send_at, received_at) AS queued_at, lane, order_key,
+              received_at
 ), r AS (
     INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at,
-                           lane, order_key)
+                           lane, order_key, order_at)
     SELECT k.id, m.id, m.org_id, k.address, k.domain, m.queued_at, m.queued_at, m.lane,
-           m.order_key
+           m.order_key, CASE WHEN m.order_key IS NOT NULL THEN m.received_at END
     FROM m JOIN k ON k.owner = m.id
 ), reply AS (
     SELECT owner AS id FROM k ORDER BY owner = :id DESC, owner LIMIT 1
@@ -239,12 +240,13 @@ WITH u AS (
                client_helo, credential_id, auth_user, received_at, tls_version, tls_cipher,
                lane, expires_at, send_at, order_key, metadata)
     WHERE EXISTS (SELECT 1 FROM k WHERE k.message_id = w.id AND k.owner = w.id)
-    RETURNING id, org_id, COALESCE(send_at, received_at) AS queued_at, lane, order_key
+    RETURNING id, org_id, COALESCE(send_at, received_at) AS queued_at, lane, order_key,
+              received_at
 ), r AS (
     INSERT INTO recipient (id, message_id, org_id, address, domain, created_at, next_attempt_at,
-                           lane, order_key)
+                           lane, order_key, order_at)
     SELECT k.id, m.id, m.org_id, k.address, k.domain, m.queued_at, m.queued_at, m.lane,
-           m.order_key
+           m.order_key, CASE WHEN m.order_key IS NOT NULL THEN m.received_at END
     FROM m JOIN k ON k.message_id = m.id AND k.owner = m.id
 ), dm AS (  -- the messages with duplicates, without their bodies
     SELECT * FROM unnest(:id::uuid[], :org_id::uuid[], :sender::text[], :header_message_id::text[], :size::int[],

@@ -94,7 +94,8 @@ async def postpone_leases(
 # without a claim each: among the first $5 due rows of the delivery's (org, lane) group
 # (recipient_due_group), those to the same domain. A backlog to a busy site thus costs each row
 # one write to join the queue, not a claim and a hand-back. Rows a claim holds this moment are
-# passed over (SKIP LOCKED); the claim that took them hands them back itself.
+# passed over (SKIP LOCKED); the claim that took them hands them back itself. Keyed rows stay:
+# the claim's ordering rule (store/claims.py `_IN_ORDER`) must see each before it goes.
 _JOIN_SITE = """
 WITH m AS (
     SELECT DISTINCT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $6::text[])
@@ -103,7 +104,7 @@ WITH m AS (
     SELECT q.id, m.site, m.reason FROM m CROSS JOIN LATERAL (
         SELECT id FROM recipient
         WHERE status = 'queued' AND site IS NULL AND org_id = m.org_id AND lane = m.lane
-          AND domain = m.domain
+          AND domain = m.domain AND order_key IS NULL
           AND next_attempt_at <= least(now(), COALESCE((
               SELECT next_attempt_at FROM recipient
               WHERE status = 'queued' AND site IS NULL AND org_id = m.org_id AND lane = m.lane

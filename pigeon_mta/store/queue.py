@@ -83,15 +83,17 @@ WITH {before}m AS (
     VALUES (:id, :org_id, :sender, :header_message_id, :size, :body, :listener, :client_ip::inet, :client_helo, :credential_id, :auth_user,
             COALESCE(:received_at::timestamptz, now()), :tls_version, :tls_cipher, :lane,
             :expires_at::timestamptz, :send_at::timestamptz, :order_key::text, :metadata::jsonb)
-    RETURNING id, org_id, COALESCE(send_at, received_at) AS queued_at, lane, order_key
+    RETURNING id, org_id, COALESCE(send_at, received_at) AS queued_at, lane, order_key,
+              received_at
 ), r AS (
     INSERT INTO recipient AS t (id, message_id, org_id, address, domain, created_at,
                                 next_attempt_at, lane, status, attempts, lease_owner, lease_until,
-                                order_key)
+                                order_key, order_at)
     SELECT u.id, m.id, m.org_id, u.address, u.domain, m.queued_at, m.queued_at, m.lane,
            CASE WHEN :lease_owner::text IS NULL THEN 'queued' ELSE 'delivering' END,
            CASE WHEN :lease_owner::text IS NULL THEN 0 ELSE 1 END,
-           :lease_owner::text, now() + make_interval(secs => :lease::float8), m.order_key
+           :lease_owner::text, now() + make_interval(secs => :lease::float8), m.order_key,
+           CASE WHEN m.order_key IS NOT NULL THEN m.received_at END
     FROM m, unnest(:recipient_ids::uuid[], :addresses::text[], :domains::text[]) AS u (id, address, domain)
     RETURNING t.id, t.org_id, t.address, t.lease_owner
 )
@@ -113,15 +115,17 @@ WITH {before}m AS (
          AS u (id, org_id, sender, header_message_id, size, body, listener, client_ip,
                client_helo, credential_id, auth_user, received_at, tls_version, tls_cipher,
                lane, expires_at, send_at, order_key, metadata)
-    RETURNING id, org_id, COALESCE(send_at, received_at) AS queued_at, lane, order_key
+    RETURNING id, org_id, COALESCE(send_at, received_at) AS queued_at, lane, order_key,
+              received_at
 ), r AS (
     INSERT INTO recipient AS t (id, message_id, org_id, address, domain, created_at,
                                 next_attempt_at, lane, status, attempts, lease_owner, lease_until,
-                                order_key)
+                                order_key, order_at)
     SELECT u.id, m.id, m.org_id, u.address, u.domain, m.queued_at, m.queued_at, m.lane,
            CASE WHEN u.lease_owner IS NULL THEN 'queued' ELSE 'delivering' END,
            CASE WHEN u.lease_owner IS NULL THEN 0 ELSE 1 END,
-           u.lease_owner, now() + make_interval(secs => u.lease), m.order_key
+           u.lease_owner, now() + make_interval(secs => u.lease), m.order_key,
+           CASE WHEN m.order_key IS NOT NULL THEN m.received_at END
     FROM unnest(:recipient_ids::uuid[], :recipient_queue_ids::uuid[], :addresses::text[], :domains::text[], :lease_owner::text[], :lease::float8[])
          AS u (id, message_id, address, domain, lease_owner, lease)
     JOIN m ON m.id = u.message_id

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -24,9 +25,15 @@ SENDMAIL = REPO / ".venv" / "bin" / "sendmail"
 PIGEON = REPO / ".venv" / "bin" / "pigeon-mta"
 
 
-def run(command: list[str], config: Path, stdin: bytes) -> subprocess.CompletedProcess[bytes]:
+def run(
+    command: list[str], config: Path, stdin: bytes, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(
-        [*command, "-C", str(config)], input=stdin, capture_output=True, timeout=60
+        [*command, "-C", str(config)],
+        input=stdin,
+        capture_output=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -83,6 +90,19 @@ async def test_sendmail_calls_of_php_and_cron_arrive_signed(tmp_path: Path, db_u
         assert b"backup done" in data and b"not part of it" not in data
         [message] = [m for m in relay.sink.messages if m.data == data]
         assert (message.mail_from, message.rcpt_tos) == ("cron@acme.example", ["ops@dest.test"])
+
+        # Debian cron, as it calls it: a bare user name, qualified with server.hostname; a
+        # LOGNAME with a line break does not reach the header.
+        cron = b"Subject: debian\n\nout\n"
+        command = [str(SENDMAIL), "-FCronDaemon", "-i", "-B8BITMIME", "-oem", "root"]
+        done = await asyncio.to_thread(
+            run, command, relay.config, cron, {"LOGNAME": "ev\nil", "USER": "ev\nil"}
+        )
+        assert done.returncode == 0, done.stderr
+        data = await arrived(relay, b"debian")
+        [message] = [m for m in relay.sink.messages if m.data == data]
+        assert message.rcpt_tos == ["root@mta.test"]
+        assert message.mail_from == "ev?il@mta.test" and b"local user ev?il" in data
 
         # Bad calls: the code says what, nothing is queued.
         pool = await asyncpg.connect(db_url)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from pigeon_mta.commands.sendmail_message import (
+    BadAddress,
     Options,
     UsageError,
+    addresses_of,
     header_recipients,
     parse,
     read_message,
@@ -19,6 +21,14 @@ from pigeon_mta.commands.sendmail_message import (
     ("argv", "expected"),
     [
         (["-t", "-i"], Options(from_headers=True, dot_ends=False)),
+        (["-ti"], Options(from_headers=True, dot_ends=False)),
+        # Debian cron and cronie, as they call it.
+        (["-FCronDaemon", "-i", "-B8BITMIME", "-oem", "root"], Options(
+            recipients=["root"], full_name="CronDaemon", dot_ends=False
+        )),
+        (["-FCronDaemon", "-i", "-odi", "-oem", "-oi", "-t", "-f", "root"], Options(
+            full_name="CronDaemon", dot_ends=False, from_headers=True, sender="root"
+        )),
         (["-oi", "-odi", "-oem", "a@x.test"], Options(recipients=["a@x.test"], dot_ends=False)),
         (["-f", "<app@x.test>", "-Fcron daemon", "b@x.test"], Options(
             recipients=["b@x.test"], sender="app@x.test", full_name="cron daemon"
@@ -35,7 +45,12 @@ def test_the_options_callers_use(argv: list[str], expected: Options) -> None:
 
 @pytest.mark.parametrize(
     ("argv", "problem"),
-    [(["-bs"], "-bs is not supported"), (["-q1h"], "unknown option -q1h"), (["-f"], "needs")],
+    [
+        (["-bs"], "-bs is not supported"),
+        (["-bd"], "-bd is not supported"),
+        (["-q1h"], "unknown option -q1h"),
+        (["-f"], "needs"),
+    ],
 )
 def test_what_it_does_not_do_is_a_usage_error(argv: list[str], problem: str) -> None:
     with pytest.raises(UsageError, match=problem):
@@ -55,3 +70,19 @@ def test_the_message_as_read() -> None:
         b"From: Cron Daemon <cron@x.test>\r\nSubject: x"
     )
     assert with_from(b"From: a@x.test\n\nb\n", "cron@x.test", None) == b"From: a@x.test\n\nb\n"
+
+
+def test_recipient_arguments_as_sendmail_reads_them() -> None:
+    assert addresses_of(["root", "a@x.test, Bob <b@x.test>"], "host.test") == [
+        "root@host.test",
+        "a@x.test",
+        "b@x.test",
+    ]
+    with pytest.raises(BadAddress):
+        addresses_of(["not an address"], "host.test")
+
+
+def test_a_from_field_with_any_name_and_address() -> None:
+    assert with_from(b"\n\nx\n", "jos\u00e9@x.test", "Jos\u00e9\r\nBcc: evil@x").startswith(
+        "From: Jos\u00e9 Bcc: evil@x <jos\u00e9@x.test>\r\n".encode()
+    )
