@@ -181,3 +181,64 @@ async def test_every_key_is_queued_once_through_kill_9_and_a_stopped_app_databas
         if serve is not None:
             await asyncio.to_thread(serve.stop)
         await stop_servers([server])
+
+
+def queued_by(port: int) -> float:
+    """The node's pigeon_outbox_rows_total{outbox="shop",outcome="queued"}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    found = re.search(
+        r'^pigeon_outbox_rows_total\{outbox="shop",outcome="queued"\} (\S+)$', text, re.M
+    )
+    return float(found.group(1)) if found else 0.0
+
+
+async def test_two_nodes_relaying_one_outbox_queue_each_key_once(
+    tmp_path: Path, db_url: str, app_server: LoneServer
+) -> None:
+    app_url = app_server.server_url(app_server.primary, "shop")
+    sink = SinkState(slow_seconds=0)
+    server = await start_sink(sink, "127.0.0.2", 0)
+    serves: list[ServeProcess] = []
+    try:
+        configs = []
+        for node in ("a", "b"):
+            (tmp_path / node).mkdir()
+            configs.append(
+                relay_config(
+                    tmp_path / node,
+                    db_url,
+                    node_name=f"e2e-outbox-{node}",
+                    relayhost=f"127.0.0.2:{server.sockets[0].getsockname()[1]}",
+                    outboxes=[{"name": "shop", "database": app_url, "org": "acme", "batch": 50}],
+                )
+            )
+        await pigeon_with(configs[0], "org", "add", "acme")
+        await pigeon_with(configs[0], "domain", "add", "acme", "acme.example")
+        await pigeon_with(configs[0], "outbox", "install", "shop")
+        for config in configs:
+            serves.append(ServeProcess("--config", str(config)))
+        for serve in serves:
+            await asyncio.to_thread(serve.wait_for, "worker 0 ready")
+        await write_orders(app_url, 1, 3000)
+        await until_relayed(app_url, 3000)
+        ports = [
+            int(re.findall(r'listen = "127\.0\.0\.1:(\d+)"', c.read_text())[0]) for c in configs
+        ]
+        counts = [await asyncio.to_thread(queued_by, p) for p in ports]
+        assert all(counts) and sum(counts) == 3000, counts  # both relayed, each row once
+        pigeon = await asyncpg.connect(db_url)
+        try:
+            keys = await pigeon.fetchval(
+                "SELECT count(DISTINCT header_message_id) FROM message WHERE listener = 'outbox'"
+            )
+            messages = await pigeon.fetchval(
+                "SELECT count(*) FROM message WHERE listener = 'outbox'"
+            )
+        finally:
+            await pigeon.close()
+        assert (keys, messages) == (3000, 3000)
+    finally:
+        for serve in serves:
+            await asyncio.to_thread(serve.stop)
+        await stop_servers([server])

@@ -308,3 +308,29 @@ async def test_a_hostile_value_refuses_its_row_and_the_relay_goes_on(
         await conn.close()
     assert [i for i, _ in done.relayed] == [2]
     assert done.refused == [(1, "The field 'send_at' is not a time.")]
+
+
+async def test_relayed_rows_past_retention_are_deleted_with_their_keys(
+    pool: asyncpg.Pool, app: asyncpg.Connection, app_db_url: str, acme: uuid.UUID
+) -> None:
+    for n in range(1, 4):
+        await write_order(app, n)
+    relay = relay_of(pool, app_db_url, retention=3600)
+    conn = await asyncpg.connect(app_db_url)
+    try:
+        assert len((await relay.relay_round(conn)).relayed) == 3
+        await app.execute(
+            "UPDATE pigeon_outbox SET relayed_at = now() - interval '2 hours' WHERE id <> 3"
+        )
+        await pool.execute(
+            "UPDATE outbox_key SET created_at = now() - interval '2 days' WHERE key <> 'order-3'"
+        )
+        await relay._prune(conn)
+    finally:
+        await conn.close()
+    left = await app.fetch("SELECT idempotency_key FROM pigeon_outbox")
+    assert [r["idempotency_key"] for r in left] == ["order-3"]
+    keys = await pool.fetch("SELECT key FROM outbox_key")
+    assert [r["key"] for r in keys] == ["order-3"]
+    # The messages themselves are pigeon-mta's history, kept by [retention] as any other.
+    assert await pool.fetchval("SELECT count(*) FROM message") == 3
