@@ -296,6 +296,13 @@ _RECIPIENT_EVENT: dict[str, Any] = {
                     "type": ["integer", "null"],
                     "description": "the recipient's delivery attempt; null for feedback",
                 },
+                "next_attempt_at": {
+                    "type": ["string", "null"],
+                    "format": "date-time",
+                    "description": "`deferred`: when it is tried again; else null",
+                },
+                "sender": {"type": "string", "description": "the envelope sender; '' is <>"},
+                "lane": {"type": "string", "description": "the lane it is delivered in"},
                 "kind": _KIND,
                 "metadata": {
                     "type": "object",

@@ -22,7 +22,7 @@ import asyncpg
 from pigeon_mta.ids import new_id, new_ids
 from pigeon_mta.store.executor import Executor
 from pigeon_mta.store.suppression import SUPPRESSION_ACTIVE
-from pigeon_mta.store.webhooks import event_payload, header_message_id, message_kind, outbox_insert
+from pigeon_mta.store.webhooks import event_payload, outbox_insert
 
 NEW = "new"
 APPLIED = "applied"
@@ -189,8 +189,6 @@ _PAYLOAD = event_payload(
     queue_id="e.message_id",
     recipient_id="e.recipient_id",
     recipient="e.address",
-    message_id=header_message_id("e.message_id"),
-    kind=message_kind("e.message_id"),
     code="e.code",
     enhanced_code="e.enhanced_code",
     response="e.response",

@@ -23,8 +23,6 @@ from pigeon_mta.store.webhooks import (
     OfferParameters,
     claimed_event,
     event_payload,
-    header_message_id,
-    message_kind,
     outbox_insert,
 )
 
@@ -33,13 +31,12 @@ _WEBHOOK_PAYLOAD = event_payload(
     queue_id="v.message_id",
     recipient_id="v.recipient_id",
     recipient="u.address",
-    message_id=header_message_id("v.message_id"),
-    kind=message_kind("v.message_id"),
     code="v.code",
     enhanced_code="v.enhanced_code",
     response="v.response",
     category="v.category",
     attempt="v.attempt",
+    next_attempt_at="v.next_attempt_at",
 )
 
 _OUTBOX = outbox_insert(

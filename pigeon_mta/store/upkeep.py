@@ -11,7 +11,7 @@ from pigeon_mta.ids import id_floor
 from pigeon_mta.model import DEADLINE_CATEGORY, EXPIRED_CATEGORY
 from pigeon_mta.store.executor import Executor
 from pigeon_mta.store.webhooks import backlog as webhook_backlog
-from pigeon_mta.store.webhooks import event_payload, header_message_id, message_kind, outbox_insert
+from pigeon_mta.store.webhooks import event_payload, outbox_insert
 
 # ---------------------------------------------------------------- expiry
 
@@ -25,8 +25,6 @@ _WEBHOOK_PAYLOAD = event_payload(
     queue_id="e.message_id",
     recipient_id="e.id",
     recipient="e.address",
-    message_id=header_message_id("e.message_id"),
-    kind=message_kind("e.message_id"),
     code="e.last_code",
     enhanced_code="e.last_enhanced_code",
     response=_EXPIRE_RESPONSE,
@@ -90,8 +88,6 @@ _DEADLINE_WEBHOOK = outbox_insert(
         queue_id="e.message_id",
         recipient_id="e.id",
         recipient="e.address",
-        message_id=header_message_id("e.message_id"),
-        kind=message_kind("e.message_id"),
         code="e.last_code",
         enhanced_code="e.last_enhanced_code",
         response=_DEADLINE_RESPONSE,

@@ -47,39 +47,39 @@ def event_payload(
     queue_id: str,
     recipient_id: str,
     recipient: str,
-    message_id: str,
     code: str,
     enhanced_code: str,
     response: str,
     category: str,
     attempt: str,
-    kind: str,
+    next_attempt_at: str = "NULL::timestamptz",
     extra: Mapping[str, str] | None = None,
 ) -> str:
     """The SQL expression of an event's body, {"type", "timestamp", "data"}, from the column
     expressions of the statement that writes it; `extra` adds fields to data (name: SQL). The
-    timestamp is TIMESTAMP."""
+    timestamp is TIMESTAMP. What the event says of its message (the Message-ID, the envelope
+    sender, the lane, the kind and the send intent's metadata) is read in one subquery of the
+    message row, for the rows that have a webhook (a subquery in the select list runs once per
+    row that reaches it)."""
     more = "".join(f", '{name}', {value}" for name, value in (extra or {}).items())
     return f"""jsonb_build_object(
         'type', {type_},
         'timestamp', {TIMESTAMP},
         'data', jsonb_build_object(
             'queue_id', {queue_id}, 'recipient_id', {recipient_id}, 'recipient', {recipient},
-            'message_id', {message_id}, 'code', {code}, 'enhanced_code', {enhanced_code},
+            'code', {code}, 'enhanced_code', {enhanced_code},
             'response', {response}, 'category', {category}, 'attempt', {attempt},
-            'kind', {kind}, 'metadata', {message_metadata(queue_id)}{more}))"""
+            'next_attempt_at', {_time(next_attempt_at)}{more})
+            || COALESCE((SELECT jsonb_build_object(
+                   'message_id', m.header_message_id, 'sender', m.sender, 'lane', m.lane,
+                   'kind', CASE WHEN m.listener = '{DSN_LISTENER}' THEN 'dsn' ELSE 'message' END,
+                   'metadata', COALESCE(m.metadata, '{{}}'::jsonb))
+               FROM message m WHERE m.id = {queue_id}), '{{}}'::jsonb))"""
 
 
-# The application's metadata of a recorded outcome's message (the send intent's), {} for none,
-# read as header_message_id is.
-def message_metadata(queue_id: str) -> str:
-    return f"COALESCE((SELECT metadata FROM message WHERE id = {queue_id}), '{{}}'::jsonb)"
-
-
-# The header Message-ID of a recorded outcome's message, read only for the rows that have a webhook
-# (a subquery in the select list runs once per row that reaches it).
-def header_message_id(message_id: str) -> str:
-    return f"(SELECT header_message_id FROM message WHERE id = {message_id})"
+def _time(expression: str) -> str:
+    """A timestamptz as events write times: UTC, milliseconds, a Z."""
+    return f"""to_char({expression} AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"')"""
 
 
 @dataclass(frozen=True)
@@ -144,14 +144,6 @@ def org_event(condition: str = "") -> str:
         payload=f"""jsonb_build_object('type', $2::text, 'timestamp', {TIMESTAMP},
         'data', jsonb_build_object('org', o.name) || $3::jsonb)""",
         where=f"o.id = $1::uuid {condition}",
-    )
-
-
-# The kind of a recorded outcome's message (model.message_kind), read as header_message_id is.
-def message_kind(queue_id: str) -> str:
-    return (
-        f"(SELECT CASE WHEN listener = '{DSN_LISTENER}' THEN 'dsn' ELSE 'message' END"
-        f" FROM message WHERE id = {queue_id})"
     )
 
 

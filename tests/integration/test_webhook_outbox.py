@@ -75,6 +75,9 @@ async def test_expiry_writes_an_expired_event_with_the_last_reply(
         "attempt": 1,
         "kind": "message",
         "metadata": {},
+        "next_attempt_at": None,
+        "sender": "alice@example.com",
+        "lane": "transactional",
     }
 
 
@@ -230,3 +233,27 @@ async def test_an_event_of_a_dsn_says_so(pool: asyncpg.Pool, org_id: uuid.UUID) 
     await record_attempts(pool, delivered)
     kinds = {e["data"]["queue_id"]: e["data"]["kind"] for e in await events(pool)}
     assert kinds == {str(dsn): "dsn", str(mail): "message"}
+
+
+async def test_a_deferred_event_says_when_it_is_tried_again_and_what_the_message_is(
+    pool: asyncpg.Pool, org_id: uuid.UUID
+) -> None:
+    await store_webhooks.add_webhook(pool, org_id, "http://127.0.0.1:1/", ["deferred"], "whsec_x")
+    queue_id = await send(pool, org_id, "bob@example.net")
+    [delivery] = await claim_all(pool)
+    later = datetime(2030, 1, 2, 3, 4, 5, 678000, tzinfo=UTC)
+    greylisted = Reply(451, "4.7.1", "greylisted")
+    deferred = dataclasses.replace(
+        result(delivery, "bob@example.net", Outcome.DEFERRED, greylisted), next_attempt_at=later
+    )
+    await record_attempts(pool, [deferred])
+    [event] = await events(pool)
+    assert event["type"] == "deferred"
+    data = event["data"]
+    assert data["next_attempt_at"] == "2030-01-02T03:04:05.678Z"
+    assert (data["queue_id"], data["sender"], data["lane"], data["kind"]) == (
+        str(queue_id),
+        "alice@example.com",
+        "transactional",
+        "message",
+    )
