@@ -198,6 +198,7 @@ _PAYLOAD = event_payload(
 )
 
 _OUTBOX = outbox_insert(
+    message="e.message_id",
     rows="e",
     type_="e.webhook_type",
     org_id="e.org_id",

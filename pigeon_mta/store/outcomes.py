@@ -40,6 +40,7 @@ _WEBHOOK_PAYLOAD = event_payload(
 )
 
 _OUTBOX = outbox_insert(
+    message="v.message_id",
     rows="v JOIN u ON u.id = v.recipient_id AND u.attempts = v.attempt",
     type_="v.outcome",
     org_id="v.org_id",

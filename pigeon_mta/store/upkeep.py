@@ -32,7 +32,9 @@ _WEBHOOK_PAYLOAD = event_payload(
     attempt="e.attempts",
 )
 
-_OUTBOX = outbox_insert(rows="e", type_="'expired'", org_id="e.org_id", payload=_WEBHOOK_PAYLOAD)
+_OUTBOX = outbox_insert(
+    rows="e", type_="'expired'", org_id="e.org_id", payload=_WEBHOOK_PAYLOAD, message="e.message_id"
+)
 
 # Reads only live rows older than the shortest max_age (a range of recipient_live, by created_at),
 # and of those only due ones: mail that is not due waits for its next attempt, where the engine's
@@ -80,6 +82,7 @@ _DEADLINE_RESPONSE = (
     "           || ' UTC has passed; last reply: ' || COALESCE(e.last_response, 'none')"
 )
 _DEADLINE_WEBHOOK = outbox_insert(
+    message="e.message_id",
     rows="e",
     type_="'expired'",
     org_id="e.org_id",

@@ -58,23 +58,25 @@ def event_payload(
     """The SQL expression of an event's body, {"type", "timestamp", "data"}, from the column
     expressions of the statement that writes it; `extra` adds fields to data (name: SQL). The
     timestamp is TIMESTAMP. What the event says of its message (the Message-ID, the envelope
-    sender, the lane, the kind and the send intent's metadata) is read in one subquery of the
-    message row, for the rows that have a webhook (a subquery in the select list runs once per
-    row that reaches it)."""
+    sender, the lane, the kind and the send intent's metadata) comes from MESSAGE, the message
+    row `outbox_insert(message=...)` joins for the rows that have a webhook."""
     more = "".join(f", '{name}', {value}" for name, value in (extra or {}).items())
+    m = MESSAGE
     return f"""jsonb_build_object(
         'type', {type_},
         'timestamp', {TIMESTAMP},
         'data', jsonb_build_object(
             'queue_id', {queue_id}, 'recipient_id', {recipient_id}, 'recipient', {recipient},
+            'message_id', {m}.header_message_id, 'sender', {m}.sender, 'lane', {m}.lane,
+            'kind', CASE WHEN {m}.listener = '{DSN_LISTENER}' THEN 'dsn' ELSE 'message' END,
+            'metadata', COALESCE({m}.metadata, '{{}}'::jsonb),
             'code', {code}, 'enhanced_code', {enhanced_code},
             'response', {response}, 'category', {category}, 'attempt', {attempt},
-            'next_attempt_at', {_time(next_attempt_at)}{more})
-            || COALESCE((SELECT jsonb_build_object(
-                   'message_id', m.header_message_id, 'sender', m.sender, 'lane', m.lane,
-                   'kind', CASE WHEN m.listener = '{DSN_LISTENER}' THEN 'dsn' ELSE 'message' END,
-                   'metadata', COALESCE(m.metadata, '{{}}'::jsonb))
-               FROM message m WHERE m.id = {queue_id}), '{{}}'::jsonb))"""
+            'next_attempt_at', {_time(next_attempt_at)}{more}))"""
+
+
+# The alias of the message row an event's payload reads (outbox_insert joins it).
+MESSAGE = "pm"
 
 
 def _time(expression: str) -> str:
@@ -102,6 +104,7 @@ def outbox_insert(
     payload: str,
     where: str | None = None,
     offer: OfferParameters | None = None,
+    message: str | None = None,
 ) -> str:
     """The statement (a CTE's body) that writes to the outbox one event for each of `rows` (a FROM
     item, joins allowed) and each webhook of `org_id`'s org that takes the event's `type_`, with
@@ -111,6 +114,9 @@ def outbox_insert(
     webhook, up to its room, are written claimed by the offering sender (attempts 1, due again
     after the lease); the statement returns every event it wrote (those with attempts 0 wait)."""
     webhooks = f"JOIN webhook h ON h.org_id = {org_id} AND {type_} = ANY (h.events)"
+    if message is not None:
+        # The message row of event_payload (MESSAGE), read only for rows that have a webhook.
+        webhooks += f"\n    JOIN message {MESSAGE} ON {MESSAGE}.id = {message}"
     condition = f"\n    WHERE {where}" if where else ""
     if offer is None:
         return f"""INSERT INTO webhook_event (id, webhook_id, type, payload)
