@@ -24,6 +24,7 @@ from pigeon_mta.feedback.apply import Read, match
 from pigeon_mta.feedback.parse import read_report
 from pigeon_mta.feedback.return_paths import ReturnPaths
 from pigeon_mta.metrics import FEEDBACK
+from pigeon_mta.outbound.room import finish_task
 from pigeon_mta.store import feedback as store_feedback
 from pigeon_mta.store.connect import DB_ERRORS
 from pigeon_mta.store.executor import transaction
@@ -77,17 +78,8 @@ class FeedbackProcessor:
     async def stop(self, deadline: float) -> None:
         self._stopping = True
         self._wake.set()
-        if self._task is None:
-            return
-        try:
-            await asyncio.wait_for(
-                asyncio.shield(self._task),
-                max(0.0, deadline - asyncio.get_running_loop().time()),
-            )
-        except TimeoutError:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        if self._task is not None:
+            await finish_task(self._task, deadline - asyncio.get_running_loop().time())
 
     async def _run(self) -> None:
         while not self._stopping:

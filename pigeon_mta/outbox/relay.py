@@ -44,6 +44,7 @@ from pigeon_mta.config import OUTBOX_LISTENER, OUTBOX_USER_PREFIX, OutboxSetting
 from pigeon_mta.intake.accept import Intake, Prepared, Queued
 from pigeon_mta.intake.refusal import Reason, Refusal
 from pigeon_mta.intake.submission import Door, Submission, Submitter
+from pigeon_mta.outbound.room import finish_task
 from pigeon_mta.outbox.table import CHANNEL, Row, Table
 from pigeon_mta.store import orgs as store_orgs
 from pigeon_mta.store import outbox_keys
@@ -120,17 +121,8 @@ class OutboxRelay:
     async def stop(self, deadline: float) -> None:
         self._stopping.set()
         self._wake.set()
-        if self._task is None:
-            return
-        try:
-            await asyncio.wait_for(
-                asyncio.shield(self._task),
-                max(0.0, deadline - asyncio.get_running_loop().time()),
-            )
-        except TimeoutError:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        if self._task is not None:
+            await finish_task(self._task, deadline - asyncio.get_running_loop().time())
 
     async def _run(self) -> None:
         delay = RETRY_INITIAL
