@@ -15,26 +15,46 @@ from pigeon_mta.store.webhooks import event_payload, outbox_insert
 
 # ---------------------------------------------------------------- expiry
 
-# What the attempt log and the `expired` webhook event say of an expiry.
-_EXPIRE_RESPONSE = (
-    "'expired after ' || e.max_age_text || ' in the queue; last reply: '\n"
-    "           || COALESCE(e.last_response, 'none')"
-)
-_WEBHOOK_PAYLOAD = event_payload(
-    type_="'expired'",
-    queue_id="e.message_id",
-    recipient_id="e.id",
-    recipient="e.address",
-    code="e.last_code",
-    enhanced_code="e.last_enhanced_code",
-    response=_EXPIRE_RESPONSE,
-    category=f"'{EXPIRED_CATEGORY}'",
-    attempt="e.attempts",
-)
 
-_OUTBOX = outbox_insert(
-    rows="e", type_="'expired'", org_id="e.org_id", payload=_WEBHOOK_PAYLOAD, message="e.message_id"
+def _expiry(pick: str, response: str, category: str) -> str:
+    """The statement that expires the recipients `pick` finds (a query of their `id` and `why`,
+    text for `response`, that locks them FOR UPDATE OF r SKIP LOCKED): their status, an attempt
+    row and the `expired` webhook events, committed together; it returns (recipient_id,
+    message_id) of each. `response` is what the attempt log and the event say (SQL over `e`)."""
+    payload = event_payload(
+        type_="'expired'",
+        queue_id="e.message_id",
+        recipient_id="e.id",
+        recipient="e.address",
+        code="e.last_code",
+        enhanced_code="e.last_enhanced_code",
+        response=response,
+        category=f"'{category}'",
+        attempt="e.attempts",
+    )
+    outbox = outbox_insert(
+        rows="e", type_="'expired'", org_id="e.org_id", payload=payload, message="e.message_id"
+    )
+    return f"""
+WITH picked AS ({pick}
+), e AS (
+    UPDATE recipient r
+    SET status = 'expired', updated_at = now(), lease_until = NULL, lease_owner = NULL
+    FROM picked WHERE r.id = picked.id
+    RETURNING r.id, r.message_id, r.org_id, r.attempts, r.last_code, r.last_enhanced_code,
+              r.last_response, r.address, picked.why
+), w AS (
+    -- The `expired` webhook events, committed with the expiry (store/webhooks.py).
+    {outbox}
 )
+INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, outcome,
+                     code, enhanced_code, response, category)
+SELECT gen_random_uuid(), e.id, e.message_id, e.org_id, e.attempts, now(), 'expired',
+       e.last_code, e.last_enhanced_code, {response}, '{category}'
+FROM e
+RETURNING recipient_id, message_id
+"""
+
 
 # Reads only live rows older than the shortest max_age (a range of recipient_live, by created_at),
 # and of those only due ones: mail that is not due waits for its next attempt, where the engine's
@@ -42,87 +62,39 @@ _OUTBOX = outbox_insert(
 # with its text $6) replaces delivery.max_age ($1, $3) for the rows of that lane; $7, the
 # shortest of them, bounds created_at for every row, so that rows too young for any lane are
 # passed over at once.
-_EXPIRE = f"""
-WITH lane_age AS (
-    SELECT * FROM unnest($4::text[], $5::float8[], $6::text[]) AS l (lane, max_age, max_age_text)
-), old AS (
-    SELECT r.id, COALESCE(l.max_age_text, $3) AS max_age_text
-    FROM recipient r LEFT JOIN lane_age l ON l.lane = r.lane
+_EXPIRE = _expiry(
+    """
+    SELECT r.id, COALESCE(l.max_age_text, $3) AS why
+    FROM recipient r
+    LEFT JOIN unnest($4::text[], $5::float8[], $6::text[]) AS l (lane, max_age, max_age_text)
+           ON l.lane = r.lane
     WHERE r.status = 'queued' AND r.next_attempt_at <= now()
       AND r.created_at < now() - make_interval(secs => $7)
       AND r.created_at < now() - make_interval(secs => COALESCE(l.max_age, $1))
     LIMIT $2
-    FOR UPDATE OF r SKIP LOCKED
-), e AS (
-    UPDATE recipient r
-    SET status = 'expired', updated_at = now(), lease_until = NULL, lease_owner = NULL
-    FROM old WHERE r.id = old.id
-    RETURNING r.id, r.message_id, r.org_id, r.attempts, r.last_code, r.last_enhanced_code,
-              r.last_response, old.max_age_text, r.address
-), w AS (
-    -- The `expired` webhook events, committed with the expiry (store/webhooks.py).
-    {_OUTBOX}
+    FOR UPDATE OF r SKIP LOCKED""",
+    response="'expired after ' || e.why || ' in the queue; last reply: '"
+    " || COALESCE(e.last_response, 'none')",
+    category=EXPIRED_CATEGORY,
 )
-INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, outcome,
-                     code, enhanced_code, response, category)
-SELECT gen_random_uuid(), e.id, e.message_id, e.org_id, e.attempts, now(), 'expired',
-       e.last_code, e.last_enhanced_code, {_EXPIRE_RESPONSE}, '{EXPIRED_CATEGORY}'
-FROM e
-RETURNING recipient_id, message_id
-"""
-
 
 # Queued recipients of messages whose deadline (the send intent's expires_at) has passed within the
 # last $1 seconds (the longest max_age: older mail has expired by its age), through the partial
 # index message_deadline: mail the engines did not claim before its deadline (its org paused, its
 # site suspended) expires then, not when it is next claimed. Due or not: no attempt may follow.
-_DEADLINE_RESPONSE = (
-    "'not attempted: the message''s deadline '\n"
-    "           || to_char(e.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')\n"
-    "           || ' UTC has passed; last reply: ' || COALESCE(e.last_response, 'none')"
-)
-_DEADLINE_WEBHOOK = outbox_insert(
-    message="e.message_id",
-    rows="e",
-    type_="'expired'",
-    org_id="e.org_id",
-    payload=event_payload(
-        type_="'expired'",
-        queue_id="e.message_id",
-        recipient_id="e.id",
-        recipient="e.address",
-        code="e.last_code",
-        enhanced_code="e.last_enhanced_code",
-        response=_DEADLINE_RESPONSE,
-        category=f"'{DEADLINE_CATEGORY}'",
-        attempt="e.attempts",
-    ),
-)
-_EXPIRE_DEADLINE = f"""
-WITH past AS (
-    SELECT r.id, m.expires_at
+_EXPIRE_DEADLINE = _expiry(
+    """
+    SELECT r.id, to_char(m.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS') AS why
     FROM message m JOIN recipient r ON r.message_id = m.id
     WHERE m.expires_at IS NOT NULL AND m.expires_at <= now()
       AND m.expires_at > now() - make_interval(secs => $1)
       AND r.status = 'queued'
     LIMIT $2
-    FOR UPDATE OF r SKIP LOCKED
-), e AS (
-    UPDATE recipient r
-    SET status = 'expired', updated_at = now(), lease_until = NULL, lease_owner = NULL
-    FROM past WHERE r.id = past.id
-    RETURNING r.id, r.message_id, r.org_id, r.attempts, r.last_code, r.last_enhanced_code,
-              r.last_response, r.address, past.expires_at
-), w AS (
-    {_DEADLINE_WEBHOOK}
+    FOR UPDATE OF r SKIP LOCKED""",
+    response="'not attempted: the message''s deadline ' || e.why"
+    " || ' UTC has passed; last reply: ' || COALESCE(e.last_response, 'none')",
+    category=DEADLINE_CATEGORY,
 )
-INSERT INTO attempt (id, recipient_id, message_id, org_id, attempt, started_at, outcome,
-                     code, enhanced_code, response, category)
-SELECT gen_random_uuid(), e.id, e.message_id, e.org_id, e.attempts, now(), 'expired',
-       e.last_code, e.last_enhanced_code, {_DEADLINE_RESPONSE}, '{DEADLINE_CATEGORY}'
-FROM e
-RETURNING recipient_id, message_id
-"""
 
 
 async def expire_past_deadline(
