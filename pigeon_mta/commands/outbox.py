@@ -99,16 +99,14 @@ async def _row(outbox: OutboxSettings) -> dict[str, Any]:
         return {**row, "error": str(exc).partition(": ")[2]}
     try:
         backlog = await Table(outbox.table).backlog(conn)
-        now = await conn.fetchval("SELECT now()")
     except asyncpg.PostgresError as exc:
         return {**row, "error": str(exc)}
     finally:
         await conn.close()
-    age = (now - backlog.oldest).total_seconds() if backlog.oldest is not None else None
     return {
         **row,
         "waiting": backlog.waiting,
-        "oldest_age": _age(age),
+        "oldest_age": _age(backlog.oldest_age),
         "refused": backlog.refused,
         "last_relayed": backlog.last_relayed,
         "error": None,

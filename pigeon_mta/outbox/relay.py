@@ -339,10 +339,7 @@ class OutboxRelay:
         name = self.outbox.name
         metrics.OUTBOX_BACKLOG.labels(outbox=name).set(backlog.waiting)
         metrics.OUTBOX_REFUSED.labels(outbox=name).set(backlog.refused)
-        age = 0.0
-        if backlog.oldest is not None:
-            age = max(0.0, (await conn.fetchval("SELECT now()") - backlog.oldest).total_seconds())
-        metrics.OUTBOX_OLDEST_AGE.labels(outbox=name).set(age)
+        metrics.OUTBOX_OLDEST_AGE.labels(outbox=name).set(max(0.0, backlog.oldest_age or 0.0))
 
     async def _prune(self, conn: asyncpg.Connection) -> None:
         """Relayed rows past retention and their keys, PRUNE_BATCH at a time until none is left

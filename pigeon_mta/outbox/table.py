@@ -73,7 +73,7 @@ class Row:
 @dataclass(frozen=True)
 class Backlog:
     waiting: int
-    oldest: datetime | None  # of the rows waiting
+    oldest_age: float | None  # seconds the oldest waiting row has waited, by the database's clock
     refused: int
     last_relayed: datetime | None
 
@@ -107,7 +107,7 @@ class Table:
                 LIMIT $2))"""
         # Each part through its partial index: the relayed rows, the most, are never read.
         self._backlog = f"""
-            SELECT w.waiting, w.oldest,
+            SELECT w.waiting, extract(epoch FROM now() - w.oldest)::float8 AS oldest_age,
                    (SELECT count(*) FROM {table}
                     WHERE error IS NOT NULL AND relayed_at IS NULL) AS refused,
                    (SELECT max(relayed_at) FROM {table}
@@ -150,4 +150,4 @@ class Table:
     async def backlog(self, conn: asyncpg.Connection) -> Backlog:
         row = await conn.fetchrow(self._backlog)
         assert row is not None
-        return Backlog(row["waiting"], row["oldest"], row["refused"], row["last_relayed"])
+        return Backlog(row["waiting"], row["oldest_age"], row["refused"], row["last_relayed"])

@@ -33,8 +33,14 @@ RECIPIENT_EVENT_TYPES = ("delivered", "deferred", "bounced", "expired", "suppres
 ORG_EVENT_TYPES = ("paused", "resumed")
 EVENT_TYPES = RECIPIENT_EVENT_TYPES + ORG_EVENT_TYPES
 
-# An event's timestamp: the recording transaction's time, in UTC with milliseconds.
-TIMESTAMP = """to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"')"""
+
+def _time(expression: str) -> str:
+    """A timestamptz as events write times: UTC, milliseconds, a Z."""
+    return f"""to_char({expression} AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"')"""
+
+
+# An event's timestamp: the recording transaction's time.
+TIMESTAMP = _time("now()")
 
 PENDING = "pending"
 DELIVERED = "delivered"
@@ -77,11 +83,6 @@ def event_payload(
 
 # The alias of the message row an event's payload reads (outbox_insert joins it).
 MESSAGE = "pm"
-
-
-def _time(expression: str) -> str:
-    """A timestamptz as events write times: UTC, milliseconds, a Z."""
-    return f"""to_char({expression} AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"')"""
 
 
 @dataclass(frozen=True)

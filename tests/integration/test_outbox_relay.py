@@ -131,6 +131,10 @@ async def test_a_refused_row_gets_the_apis_sentence_and_the_rows_after_it_flow(
         "org 'acme'."
     )
     assert rows[2]["error"] == "The fields 'to', 'cc' and 'bcc' name no recipient."
+    # What `outbox list` and the gauges read: nothing waits, two rows are refused.
+    backlog = await relay.table.backlog(app)
+    assert (backlog.waiting, backlog.oldest_age, backlog.refused) == (0, None, 2)
+    assert backlog.last_relayed is not None
     assert await queued_keys(pool) == ["order-1@shop.example", "order-4@shop.example"]
 
     # The application corrects the row and clears its error: it is relayed.
@@ -145,6 +149,9 @@ async def test_a_refused_row_gets_the_apis_sentence_and_the_rows_after_it_flow(
     finally:
         await conn.close()
     assert sorted(await queued_keys(pool)) == [f"order-{n}@shop.example" for n in (1, 2, 4)]
+    await write_order(app, 9)
+    waiting = await relay.table.backlog(app)
+    assert waiting.waiting == 1 and waiting.oldest_age is not None and waiting.oldest_age >= 0
 
 
 async def test_a_relay_that_dies_before_its_write_back_is_answered_with_the_same_message(
