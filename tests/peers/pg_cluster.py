@@ -87,8 +87,8 @@ class Cluster:
         if result.returncode != 0:
             raise RuntimeError(f"{tool} {' '.join(args)} failed:\n{result.stdout}{result.stderr}")
 
-    def start(self) -> None:
-        """initdb the primary, start it, clone the standby from it, start that."""
+    def _start_primary(self, settings: str = "") -> None:
+        """initdb the primary with `settings` added to its configuration, and start it."""
         self._run(
             "initdb", "-D", str(self.primary.data), "-U", "postgres", "--auth=trust", "-E", "UTF8"
         )
@@ -97,12 +97,17 @@ class Cluster:
                 f"port = {self.primary.port}\n"
                 "listen_addresses = '127.0.0.1'\n"
                 f"unix_socket_directories = '{self.sockets}'\n"
-                "wal_level = replica\nmax_wal_senders = 4\n"
-                "synchronous_standby_names = 'standby'\n"
-                "synchronous_commit = on\n"
-                "fsync = off\n"  # the servers are killed, never the machine
+                "fsync = off\n" + settings  # the servers are killed, never the machine
             )
         self._pg_ctl(self.primary, "start")
+
+    def start(self) -> None:
+        """initdb the primary, start it, clone the standby from it, start that."""
+        self._start_primary(
+            "wal_level = replica\nmax_wal_senders = 4\n"
+            "synchronous_standby_names = 'standby'\n"
+            "synchronous_commit = on\n"
+        )
         self._run(
             "pg_basebackup",
             "-D",
@@ -185,17 +190,7 @@ class LoneServer(Cluster):
     application's database that goes away."""
 
     def start(self) -> None:
-        self._run(
-            "initdb", "-D", str(self.primary.data), "-U", "postgres", "--auth=trust", "-E", "UTF8"
-        )
-        with (self.primary.data / "postgresql.conf").open("a") as conf:
-            conf.write(
-                f"port = {self.primary.port}\n"
-                "listen_addresses = '127.0.0.1'\n"
-                f"unix_socket_directories = '{self.sockets}'\n"
-                "fsync = off\n"
-            )
-        self._pg_ctl(self.primary, "start")
+        self._start_primary()
 
     def halt(self) -> None:
         """Stop the server (fast shutdown: every connection is ended)."""
@@ -203,16 +198,6 @@ class LoneServer(Cluster):
 
     def restart(self) -> None:
         self._pg_ctl(self.primary, "start")
-
-
-@contextlib.contextmanager
-def lone_server() -> Iterator[LoneServer]:
-    server = LoneServer()
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
 
 
 @contextlib.contextmanager
