@@ -24,7 +24,7 @@ import pytest
 from pigeon_mta import metrics
 from pigeon_mta.config import Settings
 from pigeon_mta.intake.accept import Intake
-from pigeon_mta.outbox.relay import OutboxRelay
+from pigeon_mta.outbox.relay import OutboxRelay, PigeonTrouble
 from pigeon_mta.store import domains as store_domains
 from pigeon_mta.store import orgs as store_orgs
 from tests.integration.outbox_helpers import api_message, install, outbox_settings, write_order
@@ -341,3 +341,41 @@ async def test_relayed_rows_past_retention_are_deleted_with_their_keys(
     assert [r["key"] for r in keys] == ["order-3"]
     # The messages themselves are pigeon-mta's history, kept by [retention] as any other.
     assert await pool.fetchval("SELECT count(*) FROM message") == 3
+
+
+async def test_rows_wait_while_pigeons_database_fails_and_flow_after(
+    pool: asyncpg.Pool, app: asyncpg.Connection, app_db_url: str, acme: uuid.UUID
+) -> None:
+    """pigeon-mta's database failing mid-round (its keys unreadable, then its commits refused)
+    is pigeon's trouble: the rows get no error and wait, and are relayed once it is back."""
+    for n in (1, 2):
+        await write_order(app, n)
+    relay = relay_of(pool, app_db_url)
+    conn = await asyncpg.connect(app_db_url)
+    try:
+        await pool.execute("ALTER TABLE outbox_key RENAME TO outbox_key_away")
+        with pytest.raises(PigeonTrouble):
+            await relay.relay_round(conn)
+        await pool.execute("ALTER TABLE outbox_key_away RENAME TO outbox_key")
+        await pool.execute(
+            """CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+               BEGIN RAISE EXCEPTION 'the disk is full'; END $$;
+               CREATE TRIGGER refuse BEFORE INSERT ON message
+               FOR EACH ROW EXECUTE FUNCTION refuse()"""
+        )
+        refused = await relay.relay_round(conn)
+        assert (refused.relayed, refused.refused, refused.waiting) == ([], [], 2)
+        assert (
+            await app.fetchval(
+                "SELECT count(*) FROM pigeon_outbox WHERE error IS NULL AND relayed_at IS NULL"
+            )
+            == 2
+        )
+        await pool.execute("DROP TRIGGER refuse ON message")
+        done = await relay.relay_round(conn)
+    finally:
+        await conn.close()
+    assert len(done.relayed) == 2 and await queued_keys(pool) == [
+        "order-1@shop.example",
+        "order-2@shop.example",
+    ]
