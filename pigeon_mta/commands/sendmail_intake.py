@@ -38,9 +38,6 @@ from pigeon_mta.store.queue import NOTIFY_CHANNEL
 
 log = logging.getLogger("pigeon_mta.sendmail")
 
-# Refusals that pass by themselves: the caller may try again later.
-_PASSING = frozenset({Reason.DATABASE_TROUBLE, Reason.COMMIT_FAILED, Reason.RATE_LIMITED})
-
 
 def _fail(code: int, text: str) -> int:
     print(f"sendmail: {text}", file=sys.stderr)
@@ -108,7 +105,7 @@ async def queue_message(options: Options, data: bytes, *, user: str) -> int:
 
 
 def _refused(refusal: Refusal) -> int:
-    if refusal.reason in _PASSING:
+    if refusal.passes:
         return _fail(EX_TEMPFAIL, f"not queued, try again later: {refusal.reason.value}")
     if refusal.reason is Reason.BAD_INTENT:
         return _fail(EX_DATAERR, f"{refusal.intent_field}: {refusal.intent_problem}")

@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass
 
 from pigeon_mta.header_bounds import FieldProblem
+from pigeon_mta.store.errors import is_bad_input
 
 
 class Reason(enum.Enum):
@@ -41,3 +42,11 @@ class Refusal:
     intent_field: str = ""
     intent_problem: str = ""
     error: BaseException | None = None  # DATABASE_TROUBLE / COMMIT_FAILED
+
+    @property
+    def passes(self) -> bool:
+        """Whether it passes by itself, so that the same submission may succeed later: a rate,
+        or database trouble that is not about the message's own values."""
+        if self.reason is Reason.RATE_LIMITED:
+            return True
+        return self.error is not None and not is_bad_input(self.error)

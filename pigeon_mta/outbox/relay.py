@@ -42,14 +42,13 @@ from pigeon_mta.api.problems import Problem
 from pigeon_mta.api.send import problem_of
 from pigeon_mta.config import OUTBOX_LISTENER, OUTBOX_USER_PREFIX, OutboxSettings, Settings
 from pigeon_mta.intake.accept import Intake, Prepared, Queued
-from pigeon_mta.intake.refusal import Reason, Refusal
+from pigeon_mta.intake.refusal import Refusal
 from pigeon_mta.intake.submission import Door, Submission, Submitter
 from pigeon_mta.outbound.room import finish_task
 from pigeon_mta.outbox.table import CHANNEL, Row, Table
 from pigeon_mta.store import orgs as store_orgs
 from pigeon_mta.store import outbox_keys
 from pigeon_mta.store.connect import DB_ERRORS
-from pigeon_mta.store.errors import is_bad_input
 
 log = logging.getLogger("pigeon_mta.outbox")
 
@@ -316,8 +315,7 @@ class OutboxRelay:
     def _refused_by_intake(
         self, done: Round, row: Row, refusal: Refusal, composed: Composed
     ) -> None:
-        bad_input = refusal.error is not None and is_bad_input(refusal.error)
-        if not bad_input and (refusal.reason in _PASSING or refusal.error is not None):
+        if refusal.passes:
             done.waiting += 1
             return
         problem = problem_of(refusal, self.outbox.org, composed, self.settings)
@@ -371,10 +369,6 @@ class OutboxRelay:
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), seconds)
-
-
-# Refusals that pass by themselves: the row waits for a later round.
-_PASSING = frozenset({Reason.RATE_LIMITED, Reason.DATABASE_TROUBLE})
 
 
 def _compose(row: Row, settings: Settings) -> Composed:
