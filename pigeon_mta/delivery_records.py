@@ -29,7 +29,7 @@ from pigeon_mta.model import (
     message_kind,
 )
 from pigeon_mta.store.duplicates import DuplicateRecord, Duplicates
-from pigeon_mta.store.events import AttemptRecord, MessageStory
+from pigeon_mta.store.events import AttemptRecord, MessageRecord, MessageStory
 from pigeon_mta.store.feedback import RecordedEvent as FeedbackEvent
 
 Record = dict[str, Any]
@@ -172,12 +172,13 @@ def _reception_extra(
     }
 
 
-def _intent_of(e: Envelope) -> dict[str, Any]:
+def _intent_of(m: Envelope | MessageRecord) -> dict[str, Any]:
+    """The send intent's fields a message has, by their API names."""
     fields = {
-        "expires_at": e.expires_at,
-        "send_at": e.send_at,
-        "order_key": e.order_key,
-        "metadata": dict(e.metadata) if e.metadata else None,
+        "expires_at": m.expires_at,
+        "send_at": m.send_at,
+        "order_key": m.order_key,
+        "metadata": dict(m.metadata) if m.metadata else None,
     }
     return {name: value for name, value in fields.items() if value is not None}
 
@@ -303,7 +304,7 @@ def story_records(story: MessageStory) -> list[Record]:
             tls_version=m.tls_version,
             tls_cipher=m.tls_cipher,
             extra=_reception_extra(
-                m.listener, m.client_helo, m.auth_user, m.size, m.lane, intent=m.intent()
+                m.listener, m.client_helo, m.auth_user, m.size, m.lane, intent=_intent_of(m)
             ),
         )
         for r in story.recipients

@@ -13,7 +13,6 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 import asyncpg
 
@@ -49,16 +48,6 @@ class MessageRecord:
     send_at: datetime | None = None
     order_key: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
-
-    def intent(self) -> dict[str, Any]:
-        """The intent's fields that are set, by their API names."""
-        fields = {
-            "expires_at": self.expires_at,
-            "send_at": self.send_at,
-            "order_key": self.order_key,
-            "metadata": self.metadata or None,
-        }
-        return {name: value for name, value in fields.items() if value is not None}
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,9 @@ async def test_one_key_arrives_in_order_others_at_once_and_metadata_goes_everywh
             ) as answer:
                 listed = await answer.json()
         assert (message["metadata"], message["order_key"]) == ({"event": "evt-2"}, "account-7")
+        reception = message["events"][0]  # as `log --json` prints it
+        assert reception["type"] == "Reception", reception
+        assert (reception["metadata"], reception["order_key"]) == ({"event": "evt-2"}, "account-7")
         assert [m["queue_id"] for m in listed["messages"]] == [ids[1]]
 
         # An unknown X-Pigeon-* field, or a bad value, is refused by name: nothing is queued.
