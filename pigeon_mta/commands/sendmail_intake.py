@@ -78,7 +78,7 @@ async def queue_message(options: Options, data: bytes, *, user: str) -> int:
     message = with_from(message, author, options.full_name)
     try:
         location = store_connect.locate_database(settings)
-        pool = await store_connect.create_pool(location.url, settings, size=2)
+        pool = await store_connect.create_pool(location.url, settings, size=1)  # one message
     except DB_ERRORS as exc:
         return _fail(EX_TEMPFAIL, f"the queue cannot be reached now: {redact(str(exc))}")
     except (DatabaseUnavailable, OSError, TimeoutError) as exc:
